@@ -1,0 +1,146 @@
+"""The interface every device backend implements.
+
+The rest of the plugin talks to a SUPA device only through this interface
+(``vllm_br.device.get_backend()``). Two backends implement it: ``supa``
+(torch_br on a Biren card) and ``cpu`` (the same SUPA policies emulated on
+the host).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    name: str
+    total_memory: int
+    spc_count: int
+    numa_node: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What the allreduce strategy and weight layout need to know."""
+
+    device_count: int
+    # p2p[i][j]: devices i and j can reach each other directly (B-Link / PCIe P2P)
+    p2p: list[list[bool]]
+    numa_nodes: list[int]
+    spc_counts: list[int]
+    # Dies per card: a card with more than 16 SPCs has two dies (two NUMA domains)
+    dies_per_device: list[int] = field(default_factory=list)
+
+
+class CapturedGraph(Protocol):
+    """A captured graph: static inputs in, static output buffers out."""
+
+    output: Any
+
+    def replay(self) -> Any: ...
+
+
+class DeviceBackend(ABC):
+    #: backend name as VLLM_BR_DEVICE spells it
+    name: str
+    #: torch device type of tensors on this backend ("supa" or "cpu")
+    torch_device_type: str
+    #: torch.distributed backend for the device process group
+    dist_backend: str
+    #: PyTorch dispatch key of the device
+    dispatch_key: str
+
+    # ---- devices ---------------------------------------------------------
+    @abstractmethod
+    def device_count(self) -> int: ...
+
+    @abstractmethod
+    def current_device(self) -> int: ...
+
+    @abstractmethod
+    def set_device(self, index: int) -> None: ...
+
+    def torch_device(self, index: int | None = None) -> torch.device:
+        """The torch.device tensors of device ``index`` live on."""
+        if self.torch_device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.torch_device_type, self.current_device() if index is None else index)
+
+    @abstractmethod
+    def synchronize(self, index: int | None = None) -> None: ...
+
+    @abstractmethod
+    def get_device_properties(self, index: int = 0) -> DeviceProperties: ...
+
+    @abstractmethod
+    def is_bf16_supported(self) -> bool: ...
+
+    @abstractmethod
+    def manual_seed_all(self, seed: int) -> None: ...
+
+    # ---- memory ----------------------------------------------------------
+    @abstractmethod
+    def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device."""
+
+    @abstractmethod
+    def memory_stats(self, index: int | None = None) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def memory_allocated(self, index: int | None = None) -> int: ...
+
+    @abstractmethod
+    def max_memory_allocated(self, index: int | None = None) -> int: ...
+
+    @abstractmethod
+    def reset_peak_memory_stats(self, index: int | None = None) -> None: ...
+
+    @abstractmethod
+    def empty_cache(self) -> None: ...
+
+    # ---- streams, events, graphs ----------------------------------------
+    @abstractmethod
+    def Stream(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (torch name)
+        ...
+
+    @abstractmethod
+    def Event(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (torch name)
+        ...
+
+    @abstractmethod
+    def current_stream(self, index: int | None = None) -> Any: ...
+
+    @abstractmethod
+    def stream(self, stream: Any) -> AbstractContextManager: ...
+
+    @abstractmethod
+    def capture_graph(self, fn: Callable[..., Any], *args: Any, pool: Any = None) -> CapturedGraph:
+        """Capture ``fn(*args)`` once into a graph (torch.supa.SUPAGraph on a
+        card). ``args`` are the static input buffers: callers copy new inputs
+        into them before ``replay()``; the result lives in ``.output``."""
+
+    @abstractmethod
+    def graph_pool_handle(self) -> Any: ...
+
+    @abstractmethod
+    def is_current_stream_capturing(self) -> bool: ...
+
+    # ---- topology ----------------------------------------------------------
+    @abstractmethod
+    def topology(self) -> Topology: ...
+
+    # ---- versions (for `vllm-br info`) ---------------------------------------
+    def versions(self) -> dict[str, str | None]:
+        return {}
+
+    # ---- fused vendor kernels ---------------------------------------------
+    def fused_kernels(self) -> dict[str, Any]:
+        """Vendor kernels bound by this backend, by op name. Ops not listed
+        run their reference implementation."""
+        return {}

@@ -1,0 +1,257 @@
+"""cpu backend: SUPA devices emulated on the host.
+
+Tensors live on the PyTorch CPU device and kernels run their reference
+implementation; every SUPA policy above this layer (block size, dtypes,
+attention backend, worker, communicator) is the same as on a card. Memory of
+one emulated device is ``VLLM_BR_CPU_MEMORY_GIB`` capped by the host's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import torch
+
+from vllm_br import envs
+from vllm_br.device.base import DeviceBackend, DeviceProperties, Topology
+
+# An emulated card looks like a BR100: two dies of 16 SPCs each.
+_EMULATED_SPC_COUNT = 32
+_EMULATED_NAME = "Biren BR100 (cpu emulation)"
+
+
+class EmulatedEvent:
+    """torch.Event-compatible event; host work is synchronous, so an event is
+    complete as soon as it is recorded."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, **_: Any):
+        self._t: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: EmulatedEvent) -> float:
+        if self._t is None or end._t is None:
+            raise RuntimeError("elapsed_time needs both events recorded first.")
+        return (end._t - self._t) * 1000.0
+
+
+class EmulatedStream:
+    """torch.Stream-compatible stream; all host work runs in order on one."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any):
+        self.device = torch.device("cpu")
+        self.priority = priority
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: EmulatedEvent | None = None) -> EmulatedEvent:
+        event = event or EmulatedEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EmulatedStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_DEFAULT_STREAM = EmulatedStream()
+
+
+class EmulatedGraph:
+    """Keeps SUPA-graph semantics on the host.
+
+    Capture runs ``fn`` once on the static input buffers and keeps its output
+    tensors as the static output buffers. Replay runs ``fn`` again on the same
+    input buffers and writes into the same output buffers, so a caller that
+    forgets to copy new inputs into the static buffers gets stale results,
+    exactly as on a card.
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], pool: Any):
+        self._fn = fn
+        self._args = args
+        self.pool = pool
+        self.output = fn(*args)
+        self.replays = 0
+
+    def replay(self) -> Any:
+        fresh = self._fn(*self._args)
+        _copy_into(self.output, fresh)
+        self.replays += 1
+        return self.output
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (list, tuple)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+    elif isinstance(dst, dict):
+        for k in dst:
+            _copy_into(dst[k], src[k])
+    elif dst is not None and dst != src:
+        raise RuntimeError("A captured graph's non-tensor output changed on replay.")
+
+
+class EmulatedGraphPool:
+    """One pool handle shared by every capture (the tests check sharing)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[EmulatedGraph] = []
+
+
+class CpuBackend(DeviceBackend):
+    name = "cpu"
+    torch_device_type = "cpu"
+    dist_backend = "gloo"
+    dispatch_key = "CPU"
+
+    def __init__(self) -> None:
+        self._current = 0
+        self._peak_floor = 0
+        self._peak_mark = 0
+
+    # ---- devices ---------------------------------------------------------
+    def device_count(self) -> int:
+        return envs.VLLM_BR_CPU_NUM_DEVICES
+
+    def current_device(self) -> int:
+        return self._current
+
+    def set_device(self, index: int) -> None:
+        count = self.device_count()
+        if not 0 <= index < count:
+            from vllm_br.errors import SUPAConfigError
+
+            raise SUPAConfigError(
+                f"Device supa:{index} does not exist; the cpu backend emulates "
+                f"{count} devices (VLLM_BR_CPU_NUM_DEVICES={count})."
+            )
+        self._current = index
+
+    def synchronize(self, index: int | None = None) -> None:
+        pass
+
+    def get_device_properties(self, index: int = 0) -> DeviceProperties:
+        spc = envs.VLLM_BR_DEVICE_SPC_NUM or _EMULATED_SPC_COUNT
+        return DeviceProperties(
+            name=_EMULATED_NAME,
+            total_memory=self._total_memory(),
+            spc_count=spc,
+            numa_node=0,
+        )
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    # ---- memory ----------------------------------------------------------
+    def _total_memory(self) -> int:
+        cap = int(envs.VLLM_BR_CPU_MEMORY_GIB * (1 << 30))
+        return min(cap, psutil.virtual_memory().total)
+
+    @staticmethod
+    def _rss() -> int:
+        return psutil.Process(os.getpid()).memory_info().rss
+
+    def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
+        total = self._total_memory()
+        free = min(total - self._rss(), psutil.virtual_memory().available)
+        return max(free, 0), total
+
+    def memory_stats(self, index: int | None = None) -> dict[str, Any]:
+        return {
+            "allocated_bytes.all.current": self.memory_allocated(),
+            "allocated_bytes.all.peak": self.max_memory_allocated(),
+        }
+
+    def memory_allocated(self, index: int | None = None) -> int:
+        # The host has no device allocator: the process's resident memory is
+        # what this emulated device holds.
+        return self._rss()
+
+    def max_memory_allocated(self, index: int | None = None) -> int:
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = peak_kb * 1024
+        if peak <= self._peak_mark:
+            # No new process-wide peak since the reset: the current RSS bounds it.
+            return max(self._rss(), self._peak_floor)
+        return peak
+
+    def reset_peak_memory_stats(self, index: int | None = None) -> None:
+        self._peak_floor = self._rss()
+        self._peak_mark = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def empty_cache(self) -> None:
+        pass
+
+    # ---- streams, events, graphs ----------------------------------------
+    def Stream(self, *args: Any, **kwargs: Any) -> EmulatedStream:  # noqa: N802
+        return EmulatedStream(*args, **kwargs)
+
+    def Event(self, *args: Any, **kwargs: Any) -> EmulatedEvent:  # noqa: N802
+        return EmulatedEvent(*args, **kwargs)
+
+    def current_stream(self, index: int | None = None) -> EmulatedStream:
+        return _DEFAULT_STREAM
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(stream)
+
+    def capture_graph(self, fn: Callable[..., Any], *args: Any, pool: Any = None) -> EmulatedGraph:
+        graph = EmulatedGraph(fn, args, pool)
+        if isinstance(pool, EmulatedGraphPool):
+            pool.graphs.append(graph)
+        return graph
+
+    def graph_pool_handle(self) -> EmulatedGraphPool:
+        return EmulatedGraphPool()
+
+    def is_current_stream_capturing(self) -> bool:
+        return False
+
+    # ---- topology ----------------------------------------------------------
+    def topology(self) -> Topology:
+        n = self.device_count()
+        spc = self.get_device_properties().spc_count
+        return Topology(
+            device_count=n,
+            p2p=[[True] * n for _ in range(n)],
+            numa_nodes=[0] * n,
+            spc_counts=[spc] * n,
+            dies_per_device=[2 if spc > 16 else 1] * n,
+        )
+
+    def versions(self) -> dict[str, str | None]:
+        return {"torch_br": None}
