@@ -9,6 +9,7 @@ the platform calls it at start-up.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ def _float(minimum: float) -> Callable[[str, str], float]:
             value = float(raw)
         except ValueError:
             raise _bad(name, raw, f"a number > {minimum}") from None
-        if not value > minimum:
+        if not (value > minimum and math.isfinite(value)):
             raise _bad(name, raw, f"a number > {minimum}")
         return value
 

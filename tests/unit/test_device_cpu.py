@@ -1,0 +1,182 @@
+"""The cpu backend: SUPA devices emulated on the host."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import psutil
+import pytest
+import torch
+
+from vllm_br.device.base import Topology
+from vllm_br.device.cpu import CpuBackend, EmulatedGraphPool
+from vllm_br.errors import SUPAConfigError
+
+MB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in ("VLLM_BR_CPU_NUM_DEVICES", "VLLM_BR_CPU_MEMORY_GIB", "VLLM_BR_DEVICE_SPC_NUM"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def backend():
+    return CpuBackend()
+
+
+def test_identity(backend):
+    assert backend.name == "cpu"
+    assert backend.torch_device_type == "cpu"
+    assert backend.dist_backend == "gloo"
+    assert backend.torch_device(3) == torch.device("cpu")
+
+
+def test_device_count(backend, monkeypatch):
+    assert backend.device_count() == 8
+    monkeypatch.setenv("VLLM_BR_CPU_NUM_DEVICES", "3")
+    assert backend.device_count() == 3
+
+
+def test_set_device(backend, monkeypatch):
+    monkeypatch.setenv("VLLM_BR_CPU_NUM_DEVICES", "2")
+    backend.set_device(1)
+    assert backend.current_device() == 1
+    for bad in (2, -1):
+        with pytest.raises(SUPAConfigError) as info:
+            backend.set_device(bad)
+        msg = str(info.value)
+        assert "VLLM_BR_CPU_NUM_DEVICES=2" in msg
+        assert f"supa:{bad}" in msg
+        assert msg.endswith(".") and not re.search(r"\.\s", msg)
+    assert backend.current_device() == 1
+
+
+def test_mem_get_info(backend, monkeypatch):
+    host = psutil.virtual_memory().total
+    free, total = backend.mem_get_info()
+    assert 0 <= free <= total
+    assert total == min(4 << 30, host)
+    monkeypatch.setenv("VLLM_BR_CPU_MEMORY_GIB", "0.5")
+    free, total = backend.mem_get_info()
+    assert total == min(512 * MB, host)
+    assert 0 <= free <= total
+    monkeypatch.setenv("VLLM_BR_CPU_MEMORY_GIB", "100000")
+    assert backend.mem_get_info()[1] == host
+    assert backend.get_device_properties().total_memory == host
+
+
+def test_memory_allocated_tracks_a_tensor(backend):
+    before = backend.memory_allocated()
+    t = torch.ones(200 * MB, dtype=torch.uint8)  # ones() touches every page
+    grown = backend.memory_allocated() - before
+    assert 150 * MB <= grown <= 260 * MB, grown / MB
+    stats = backend.memory_stats()
+    assert stats["allocated_bytes.all.current"] >= before + 150 * MB
+    del t
+
+
+def test_max_memory_allocated_after_reset(backend):
+    backend.reset_peak_memory_stats()
+    base = backend.memory_allocated()
+    assert backend.max_memory_allocated() >= base - 16 * MB
+    t = torch.ones(200 * MB, dtype=torch.uint8)
+    assert backend.max_memory_allocated() >= base + 150 * MB
+    assert backend.max_memory_allocated() >= backend.memory_allocated() - 16 * MB
+    del t
+
+
+def test_events_elapsed_time(backend):
+    start, end = backend.Event(enable_timing=True), backend.Event(enable_timing=True)
+    with pytest.raises(RuntimeError):
+        start.elapsed_time(end)
+    start.record()
+    time.sleep(0.02)
+    end.record(backend.current_stream())
+    end.synchronize()
+    assert end.query()
+    ms = start.elapsed_time(end)
+    assert 15.0 <= ms < 2000.0
+
+
+def test_streams(backend):
+    s = backend.Stream()
+    with backend.stream(s):
+        assert backend.current_stream() == s
+    e = s.record_event()
+    assert e.query()
+    assert not backend.is_current_stream_capturing()
+
+
+def test_graph_replay_sees_copied_inputs(backend):
+    static_in = torch.zeros(4)
+
+    def fn(x):
+        return x * 2 + 1
+
+    g = backend.capture_graph(fn, static_in)
+    static_out = g.output
+    assert torch.equal(static_out, torch.ones(4))
+
+    static_in.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    result = g.replay()
+    assert result is static_out  # written into the same static buffer
+    assert torch.equal(result, torch.tensor([3.0, 5.0, 7.0, 9.0]))
+
+
+def test_graph_stale_input_bug_is_detectable(backend):
+    static_in = torch.zeros(4)
+    g = backend.capture_graph(lambda x: x * 2 + 1, static_in)
+    new_input = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    # Forgetting to copy into the static buffer: replay sees the old input.
+    stale = g.replay()
+    assert torch.equal(stale, torch.ones(4))
+    assert not torch.equal(stale, new_input * 2 + 1)
+    static_in.copy_(new_input)
+    assert torch.equal(g.replay(), new_input * 2 + 1)
+
+
+def test_graph_pool_is_shared(backend):
+    pool = backend.graph_pool_handle()
+    assert isinstance(pool, EmulatedGraphPool)
+    x = torch.ones(2)
+    g1 = backend.capture_graph(lambda t: t + 1, x, pool=pool)
+    g2 = backend.capture_graph(lambda t: t * 3, x, pool=pool)
+    assert pool.graphs == [g1, g2]
+    assert g1.pool is pool and g2.pool is pool
+    other = backend.graph_pool_handle()
+    g3 = backend.capture_graph(lambda t: t, x, pool=other)
+    assert other.graphs == [g3] and g3 not in pool.graphs
+
+
+def test_graph_tuple_outputs(backend):
+    x = torch.zeros(3)
+    g = backend.capture_graph(lambda t: (t + 1, t - 1), x)
+    a, b = g.output
+    x.fill_(5.0)
+    out = g.replay()
+    assert out[0] is a and out[1] is b
+    assert torch.equal(a, torch.full((3,), 6.0))
+    assert torch.equal(b, torch.full((3,), 4.0))
+
+
+def test_topology_shape(backend, monkeypatch):
+    monkeypatch.setenv("VLLM_BR_CPU_NUM_DEVICES", "4")
+    topo = backend.topology()
+    assert isinstance(topo, Topology)
+    assert topo.device_count == 4
+    assert len(topo.p2p) == 4 and all(len(row) == 4 for row in topo.p2p)
+    assert len(topo.numa_nodes) == 4
+    assert topo.spc_counts == [32] * 4
+    assert topo.dies_per_device == [2] * 4
+    monkeypatch.setenv("VLLM_BR_DEVICE_SPC_NUM", "16")
+    topo = backend.topology()
+    assert topo.spc_counts == [16] * 4
+    assert topo.dies_per_device == [1] * 4
+
+
+def test_versions_and_kernels(backend):
+    assert backend.versions() == {"torch_br": None}
+    assert backend.fused_kernels() == {}
