@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Idempotent set-up: .venv with torch (CPU wheel), vLLM as a pure-Python build,
-# the plugin (editable), test tools, and the default model converted once.
-# Safe to run again: every step checks whether it is already done.
+# the plugin (editable), the test tools, and the default model converted once.
+# Every step checks whether it is already done, so running it again is cheap.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 VENV="$ROOT/.venv"
-# The supported vLLM version lives in vllm_br/_version.py only.
+# The supported vLLM version is written only in vllm_br/_version.py.
 VLLM_VERSION=$(sed -n 's/^SUPPORTED_VLLM_VERSION = "\(.*\)"/\1/p' vllm_br/_version.py)
+[ -n "$VLLM_VERSION" ] || { echo "[setup] cannot read SUPPORTED_VLLM_VERSION from vllm_br/_version.py" >&2; exit 1; }
 TORCH_VERSION=2.13.0
 
 log() { echo "[setup] $*"; }
@@ -18,9 +19,24 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
-pipi() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
+PIN="$VENV/vllm-br-pins.txt"
+printf 'torch==%s\n' "$TORCH_VERSION" > "$PIN"
 
-have() { "$VPY" - "$@" <<'PYEOF'
+# pip install, quiet on success, full log on failure.
+pipi() {
+  local out
+  out=$(mktemp)
+  if ! "$VPY" -m pip install --disable-pip-version-check -q "$@" >"$out" 2>&1; then
+    grep -v "^WARNING: Location" "$out" >&2 || true
+    rm -f "$out"
+    echo "[setup] pip install $* failed" >&2
+    return 1
+  fi
+  rm -f "$out"
+}
+
+have() {  # have DIST VERSION|*  -> installed at that version
+  "$VPY" - "$1" "$2" <<'PYEOF'
 import sys
 from importlib import metadata
 name, want = sys.argv[1], sys.argv[2]
@@ -28,40 +44,44 @@ try:
     v = metadata.version(name)
 except metadata.PackageNotFoundError:
     sys.exit(1)
-sys.exit(0 if (want == "*" or v.split("+")[0] == want) else 1)
+sys.exit(0 if want == "*" or v.split("+")[0] == want else 1)
 PYEOF
 }
 
 if ! have torch "$TORCH_VERSION"; then
   log "installing torch $TORCH_VERSION (CPU wheel)"
-  pipi "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
-    || pipi "torch==$TORCH_VERSION"
+  pipi "torch==$TORCH_VERSION"
 fi
 
 if ! have vllm "$VLLM_VERSION"; then
-  log "building vLLM $VLLM_VERSION as pure Python (VLLM_TARGET_DEVICE=empty)"
+  log "building vLLM $VLLM_VERSION as pure Python (VLLM_TARGET_DEVICE=empty), ~2 min"
   pipi "setuptools>=77.0.3,<81" "setuptools-scm>=8" "setuptools-rust>=1.9" wheel jinja2 packaging
-  # Keep torch pinned so vLLM's metadata cannot pull the CUDA build.
-  echo "torch==$TORCH_VERSION" > "$VENV/torch-pin.txt"
+  # The pin keeps vLLM's metadata from pulling torch's CUDA build.
   VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 \
-    "$VPY" -m pip install --disable-pip-version-check -q --no-build-isolation \
-    --no-binary vllm -c "$VENV/torch-pin.txt" "vllm==$VLLM_VERSION"
-  # xgrammar pulls a GPU triton that cannot run here; without it vLLM uses
-  # Model Runner V1 and plain-torch paths.
-  "$VPY" -m pip uninstall -y -q triton 2>/dev/null || true
+    pipi --no-build-isolation --no-binary vllm -c "$PIN" "vllm==$VLLM_VERSION"
 fi
 
-if ! have vllm-br "*" || [ ! -f "$VENV/.vllm_br_editable" ]; then
-  log "installing vllm-br (editable) and test tools"
-  echo "torch==$TORCH_VERSION" > "$VENV/torch-pin.txt"
-  echo "vllm==$VLLM_VERSION" >> "$VENV/torch-pin.txt"
-  # --no-deps for the plugin: its metadata must never pull vllm from the index.
-  "$VPY" -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e "$ROOT"
-  pipi -c "$VENV/torch-pin.txt" -r "$ROOT/requirements/test.txt"
-  "$VPY" -m pip uninstall -y -q triton 2>/dev/null || true
-  touch "$VENV/.vllm_br_editable"
+printf 'vllm==%s\n' "$VLLM_VERSION" >> "$PIN"
+if ! have pytest "*" || ! have openai "*" || ! have gguf "*" || ! have accelerate "*" || ! have ruff "*"; then
+  log "installing test tools"
+  pipi -c "$PIN" -r "$ROOT/requirements/test.txt"
 fi
 
-log "preparing the default model"
-"$VPY" -m vllm_br.model_cache prepare
-log "done"
+if ! "$VPY" -c "import vllm_br, sys; sys.exit(0 if vllm_br.__file__.startswith('$ROOT/') else 1)" 2>/dev/null; then
+  log "installing vllm-br (editable)"
+  # --no-deps: the plugin's metadata must never pull vllm from the index.
+  pipi --no-deps --no-build-isolation -e "$ROOT"
+fi
+
+# xgrammar pulls a GPU triton that cannot run here; without it vLLM uses
+# plain-torch paths (and the plugin's kernel overrides).
+if have triton "*"; then
+  log "removing the GPU triton build"
+  "$VPY" -m pip uninstall -y -q triton >/dev/null 2>&1 || true
+fi
+
+if [ "${VLLM_BR_SKIP_MODEL:-0}" != "1" ]; then
+  log "preparing the default model"
+  "$VPY" -m vllm_br.model_cache prepare >/dev/null
+fi
+log "ready: $VENV"

@@ -1,0 +1,48 @@
+"""Everything that depends on the vLLM version lives here.
+
+The supported version is written once, in ``vllm_br._version``.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from vllm_br._version import SUPPORTED_VLLM_VERSION
+from vllm_br.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def installed_vllm_version() -> str:
+    try:
+        return metadata.version("vllm").split("+")[0]
+    except metadata.PackageNotFoundError:  # pragma: no cover
+        import vllm
+
+        return vllm.__version__.split("+")[0]
+
+
+def check_vllm_version() -> bool:
+    """Warn once when the installed vLLM is not the supported release."""
+    installed = installed_vllm_version()
+    if installed != SUPPORTED_VLLM_VERSION:
+        logger.warning(
+            "vllm-br supports vLLM %s but vLLM %s is installed; install vllm==%s.",
+            SUPPORTED_VLLM_VERSION,
+            installed,
+            SUPPORTED_VLLM_VERSION,
+        )
+        return False
+    return True
+
+
+# vLLM 0.33 has only the V1 engine; VLLM_USE_V1 is read nowhere by vLLM.
+HAS_V0_ENGINE = False
+
+# vLLM 0.33 GPUModelRunner (Model Runner V1) builds its own streams/events
+# through these torch.cuda names; the worker aliases them to the device layer.
+CUDA_STREAM_EVENT_NAMES = ("Stream", "Event", "current_stream", "stream", "default_stream")
+
+# Triton kernels of vLLM 0.33 core that the runner launches on every step and
+# that need a plain-torch implementation on SUPA (no Triton for SUPA).
+SLOT_MAPPING_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"

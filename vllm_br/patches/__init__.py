@@ -1,0 +1,124 @@
+"""The patch ledger: every monkey patch the plugin applies, why, and when it goes.
+
+Patches are the last resort; each entry names what it replaces, why no
+public extension point serves, and what would let it be removed. ``apply_all``
+runs in every vLLM process from the general plugin; worker-only patches are
+applied by the worker and listed here too.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_br.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    target: str
+    why: str
+    remove_when: str
+    scope: str  # "every process" | "worker" | "cli"
+
+
+LEDGER: list[Patch] = [
+    Patch(
+        name="cpu-torch-accelerator",
+        target="torch.accelerator.{synchronize,empty_cache,get_memory_info,...}",
+        why=(
+            "vLLM 0.33 calls torch.accelerator.* on every non-CPU platform; on the "
+            "cpu emulation backend there is no accelerator and PyTorch raises. "
+            "Routed to the cpu device backend (vllm_br/device/cpu_accelerator.py)."
+        ),
+        remove_when=(
+            "vLLM routes these calls through current_platform, or the emulation "
+            "registers a real PrivateUse1 accelerator."
+        ),
+        scope="every process (cpu backend only)",
+    ),
+    Patch(
+        name="worker-cuda-stream-event-aliases",
+        target="torch.cuda.{Stream,Event,current_stream,stream,default_stream}, torch.Event",
+        why=(
+            "GPUModelRunner (Model Runner V1) builds streams and events through "
+            "torch.cuda names; in a SUPA worker they are aliased to the device "
+            "layer's (torch.supa on a card, no-op emulation on cpu), as vLLM's own "
+            "XPU and CPU runners do (vllm_br/worker/model_runner.py)."
+        ),
+        remove_when="vLLM's runner uses torch.Stream/torch.Event or current_platform.",
+        scope="worker",
+    ),
+    Patch(
+        name="slot-mapping-kernel",
+        target="vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel",
+        why=(
+            "A Triton kernel launched every step; SUPA has no Triton. Replaced "
+            "through vLLM's public vllm.triton_utils.dispatcher.register_kernels "
+            "(not a monkey patch, listed because it swaps core code)."
+        ),
+        remove_when="never needed once vLLM ships a torch fallback for it.",
+        scope="worker",
+    ),
+    Patch(
+        name="cli-config-error-hook",
+        target="sys.excepthook",
+        why=(
+            "A SUPAConfigError raised while `vllm serve` builds its config would "
+            "print a traceback; the hook prints only its one-sentence message and "
+            "exits 1. Other exceptions keep the default hook."
+        ),
+        remove_when="vLLM's CLI reports ValueError from platform checks without a traceback.",
+        scope="every process",
+    ),
+]
+
+
+def _cpu_torch_accelerator() -> None:
+    from vllm_br.device import get_backend
+
+    backend = get_backend()
+    if backend.name == "cpu":
+        from vllm_br.device import cpu_accelerator
+
+        cpu_accelerator.install(backend)
+
+
+def _cli_config_error_hook() -> None:
+    from vllm_br.errors import SUPAConfigError
+
+    previous = sys.excepthook
+    if getattr(previous, "_vllm_br", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        err = exc
+        while err is not None and not isinstance(err, SUPAConfigError):
+            err = err.__cause__ or err.__context__
+        if err is not None:
+            # The interpreter exits with status 1 after the hook returns.
+            print(f"Error: {err}", file=sys.stderr)
+            return
+        previous(exc_type, exc, tb)
+
+    hook._vllm_br = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+_APPLY: dict[str, Callable[[], None]] = {
+    "cpu-torch-accelerator": _cpu_torch_accelerator,
+    "cli-config-error-hook": _cli_config_error_hook,
+}
+
+
+def apply_all() -> None:
+    """Apply the every-process patches (idempotent)."""
+    for name, fn in _APPLY.items():
+        try:
+            fn()
+        except Exception as e:  # a bad VLLM_BR_* value surfaces in the platform
+            logger.debug("patch %s not applied: %s", name, e)

@@ -1,0 +1,289 @@
+"""SUPAPlatform: vLLM's out-of-tree platform for Biren SUPA devices.
+
+The device-facing attributes (torch device type, dispatch key, distributed
+backend) come from the device layer's backend: ``supa`` on a card, ``cpu`` in
+host emulation. Every SUPA policy below is the same on both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_br import device, envs
+from vllm_br.errors import SUPAConfigError
+from vllm_br.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+logger = init_logger(__name__)
+
+#: The paged-attention kernel's fixed KV-cache block size on SUPA.
+SUPA_BLOCK_SIZE = 128
+SUPA_DTYPES = (torch.bfloat16, torch.float32)
+WORKER_CLS = "vllm_br.worker.worker.SUPAWorker"
+ATTN_BACKEND_CLS = "vllm_br.attention.backend.SUPAFlashAttentionBackend"
+
+
+def _backend_for_class_attributes() -> device.DeviceBackend:
+    # A bad VLLM_BR_* value must not break importing this class: vLLM would
+    # hide that error. Fall back to cpu here; check_and_update_config raises
+    # the one-sentence error.
+    try:
+        return device.get_backend()
+    except SUPAConfigError:
+        from vllm_br.device.cpu import CpuBackend
+
+        return CpuBackend()
+
+
+_BACKEND = _backend_for_class_attributes()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SUPAPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = _BACKEND.torch_device_type
+    device_type: str = _BACKEND.torch_device_type
+    dispatch_key: str = _BACKEND.dispatch_key
+    dist_backend: str = _BACKEND.dist_backend
+    device_control_env_var: str = "SUPA_VISIBLE_DEVICES"
+    ray_device_key: str = "SUPA"
+    ray_noset_device_env_vars = ["RAY_EXPERIMENTAL_NOSET_SUPA_VISIBLE_DEVICES"]
+    simple_compile_backend: str = "eager"
+    supported_quantization: list[str] = []
+    additional_env_vars = envs.names()
+
+    #: "supa" or "cpu": which device backend serves this platform
+    backend_name: str = _BACKEND.name
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        # The first entry is what --dtype auto falls back to (float16 -> bf16).
+        return list(SUPA_DTYPES)
+
+    # ---- device queries (through the device layer) ------------------------
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return device.get_backend().get_device_properties(device_id).name
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return device.get_backend().get_device_properties(device_id).total_memory
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
+        from vllm_br.device import get_backend
+
+        get_backend().reset_peak_memory_stats()
+        return float(get_backend().max_memory_allocated())
+
+    @classmethod
+    def set_device(cls, dev: torch.device) -> None:
+        device.get_backend().set_device(dev.index or 0)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        device.get_backend().manual_seed_all(seed)
+
+    @classmethod
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        return device.get_backend().get_device_properties(device_id).spc_count
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        # No pinned host allocator is exposed through the device layer.
+        return False
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        if dtype not in SUPA_DTYPES:
+            raise SUPAConfigError(
+                f"--dtype {_dtype_name(dtype)} is not supported on SUPA; use "
+                "--dtype bfloat16, --dtype float32 or --dtype auto."
+            )
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        # vLLM flags every unknown VLLM_* variable; the plugin's own are known
+        # here and validated by vllm_br.envs.
+        from vllm import envs as vllm_envs
+
+        plugin_vars = set(envs.names())
+        for name in os.environ:
+            if (
+                name.startswith("VLLM_")
+                and name not in vllm_envs.environment_variables
+                and name not in plugin_vars
+            ):
+                if hard_fail:
+                    raise ValueError(f"Unknown vLLM environment variable detected: {name}")
+                logger.warning("Unknown vLLM environment variable detected: %s", name)
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # vllm._C does not exist for SUPA; the plugin's kernels are in vllm_br.ops.
+        return
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        from vllm_br.worker.kernel_overrides import register_kernel_overrides
+
+        register_kernel_overrides()
+
+    # ---- attention ---------------------------------------------------------
+    @classmethod
+    def get_attn_backend_cls(
+        cls,
+        selected_backend: AttentionBackendEnum,
+        attn_selector_config: AttentionSelectorConfig,
+        num_heads: int | None = None,
+    ) -> str:
+        if getattr(attn_selector_config, "use_mla", False):
+            raise SUPAConfigError(
+                "This model uses MLA attention, which SUPAPlatform does not serve "
+                "yet (SupaFlashMLABackend is not built); serve a model with "
+                "standard multi-head or grouped-query attention."
+            )
+        if selected_backend is not None and selected_backend.name not in (
+            "CUSTOM",
+            "SUPA_FLASH_ATTN",
+        ):
+            logger.warning(
+                "Attention backend %s is not available on SUPA; using "
+                "SUPAFlashAttentionBackend.",
+                selected_backend.name,
+            )
+        return ATTN_BACKEND_CLS
+
+    # ---- configuration -----------------------------------------------------
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        """Apply SUPA policies; idempotent (vLLM calls it on every VllmConfig)."""
+        envs.validate_all()
+        _check_engine_version()
+        _apply_parallel_policy(vllm_config)
+        _apply_cache_policy(vllm_config)
+        _apply_model_policy(vllm_config)
+        _apply_compilation_policy(vllm_config)
+        _apply_scheduler_policy(vllm_config)
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
+        # The block size is fixed by the kernel, not chosen per backend.
+        vllm_config.cache_config.block_size = SUPA_BLOCK_SIZE
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        # SUPA graphs arrive with SUPAGraphWrapper; until then vLLM forces
+        # cudagraph_mode NONE for this platform.
+        return False
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def use_custom_allreduce(cls) -> bool:
+        return False
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        return True
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        raise SUPAConfigError(
+            "LoRA is not supported on SUPA; serve the model without --enable-lora."
+        )
+
+    @classmethod
+    def is_sleep_mode_available(cls) -> bool:  # type: ignore[override]
+        return False
+
+
+def _check_engine_version() -> None:
+    if os.environ.get("VLLM_USE_V1", "").strip() == "0":
+        raise SUPAConfigError(
+            "VLLM_USE_V1=0 asks for the V0 engine, which vLLM 0.33 no longer has; "
+            "unset VLLM_USE_V1 to use the V1 engine."
+        )
+
+
+def _apply_parallel_policy(vllm_config: VllmConfig) -> None:
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.worker_cls == "auto":
+        parallel_config.worker_cls = WORKER_CLS
+    # A SUPA device cannot be re-initialised in a forked child.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if parallel_config.enable_dbo:
+        logger.warning("Dual-batch overlap is not supported on SUPA; disabled.")
+        parallel_config.enable_dbo = False
+    parallel_config.disable_custom_all_reduce = True
+
+
+def _apply_cache_policy(vllm_config: VllmConfig) -> None:
+    cache_config = vllm_config.cache_config
+    if (
+        cache_config.user_specified_block_size
+        and cache_config.block_size != SUPA_BLOCK_SIZE
+    ):
+        raise SUPAConfigError(
+            f"--block-size {cache_config.block_size} is not supported on SUPA; "
+            f"the paged-attention kernel needs --block-size {SUPA_BLOCK_SIZE} "
+            "(or leave it unset)."
+        )
+    cache_config.block_size = SUPA_BLOCK_SIZE
+    if cache_config.cache_dtype not in ("auto", "bfloat16", "float32"):
+        raise SUPAConfigError(
+            f"--kv-cache-dtype {cache_config.cache_dtype} is not supported on SUPA; "
+            "use --kv-cache-dtype auto."
+        )
+    if getattr(cache_config, "enable_sleep_mode", False):
+        raise SUPAConfigError(
+            "Sleep mode is not supported on SUPA; serve without --enable-sleep-mode."
+        )
+
+
+def _apply_model_policy(vllm_config: VllmConfig) -> None:
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return
+    SUPAPlatform.check_if_supports_dtype(model_config.dtype)
+    if vllm_config.lora_config is not None:
+        SUPAPlatform.get_punica_wrapper()
+
+
+def _apply_compilation_policy(vllm_config: VllmConfig) -> None:
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    compilation_config = vllm_config.compilation_config
+    if compilation_config.mode != CompilationMode.NONE:
+        logger.info_once(
+            "SUPA runs the model eagerly (compilation mode NONE) until the SUPA "
+            "graph and compile backends land."
+        )
+        compilation_config.mode = CompilationMode.NONE
+    compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    compilation_config.cudagraph_capture_sizes = []
+    # The plugin's kernels run through CustomOp.forward_oot: keep them enabled.
+    if "all" not in compilation_config.custom_ops:
+        compilation_config.custom_ops = ["all"] + [
+            op for op in compilation_config.custom_ops if op.startswith("-")
+        ]
+
+
+def _apply_scheduler_policy(vllm_config: VllmConfig) -> None:
+    if SUPAPlatform.backend_name == "cpu":
+        # Host emulation runs every step synchronously: async scheduling has
+        # nothing to overlap and only adds a thread hop per step.
+        vllm_config.scheduler_config.async_scheduling = False

@@ -1,0 +1,1 @@
+"""SUPAWorker and SUPAModelRunner for vLLM's V1 engine."""

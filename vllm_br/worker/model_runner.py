@@ -1,0 +1,105 @@
+"""SUPAModelRunner: vLLM's Model Runner V1 on a SUPA device.
+
+vLLM's GPUModelRunner does all scheduling-side work (input batch, block
+tables, sampling); it reaches the device through torch.cuda stream/event
+names, which a SUPA worker aliases to the device layer
+(``install_stream_aliases``, listed in the patch ledger). The overrides here
+are the few places where the GPU runner assumes CUDA semantics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.utils import CpuGpuBuffer
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_br import compat
+from vllm_br.device import DeviceBackend, get_backend
+from vllm_br.logger import init_logger
+
+logger = init_logger(__name__)
+
+_aliases_installed = False
+
+
+def install_stream_aliases(backend: DeviceBackend) -> None:
+    """Point torch.cuda's stream/event names (and torch.Event) at the device
+    layer, in a worker process only (idempotent)."""
+    global _aliases_installed
+    if _aliases_installed:
+        return
+    impl = {
+        "Stream": backend.Stream,
+        "Event": backend.Event,
+        "current_stream": backend.current_stream,
+        "default_stream": backend.current_stream,
+        "stream": backend.stream,
+    }
+    for name in compat.CUDA_STREAM_EVENT_NAMES:
+        setattr(torch.cuda, name, impl[name])
+    torch.Event = backend.Event  # type: ignore[misc]
+    _aliases_installed = True
+
+
+class SUPAModelRunner(GPUModelRunner):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        self.backend = get_backend()
+        install_stream_aliases(self.backend)
+        super().__init__(vllm_config, device)
+        # Graphs arrive with SUPAGraphWrapper; until then the runner is eager.
+        self.use_cuda_graph = False
+        if self.backend.name == "cpu":
+            self._share_host_and_device_buffers()
+
+    def _share_host_and_device_buffers(self) -> None:
+        """In emulation host and device memory are the same: let each
+        CpuGpuBuffer's device side be its host tensor, so the per-step
+        host-to-device copies disappear (as vLLM's CPU runner does)."""
+        for value in vars(self).values():
+            if isinstance(value, CpuGpuBuffer):
+                value.gpu = value.cpu
+        for name, value in vars(self.input_batch).items():
+            if name.endswith("_cpu_tensor") and isinstance(value, torch.Tensor):
+                if isinstance(getattr(self.input_batch, name[:-11], None), torch.Tensor):
+                    setattr(self.input_batch, name[:-11], value)
+        for block_table in self.input_batch.block_table.block_tables:
+            for value in vars(block_table).values():
+                if isinstance(value, CpuGpuBuffer):
+                    value.gpu = value.cpu
+
+    def _sync_device(self) -> None:
+        self.backend.synchronize()
+
+    def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
+        # The GPU runner copies through a pinned buffer and an event; SUPA has
+        # no pinned allocator here, so copy synchronously.
+        return sampled_token_ids.tolist()
+
+    def _init_kv_zero_meta(self) -> None:
+        # The GPU runner precomputes raw addresses for a Triton zeroing kernel;
+        # _zero_block_ids below indexes the per-layer views instead.
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        views: dict[int, torch.Tensor] = {}
+        for group in self.kv_cache_config.kv_cache_groups:
+            if not isinstance(group.kv_cache_spec, FullAttentionSpec):
+                continue
+            for layer_name in group.layer_names:
+                ctx = self.compilation_config.static_forward_context.get(layer_name)
+                kv = getattr(ctx, "kv_cache", None)
+                if isinstance(kv, torch.Tensor):
+                    views.setdefault(kv.data_ptr(), kv)
+        self._kv_views_to_zero = list(views.values())
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        """Zero newly allocated KV blocks so partial writes never read stale
+        data. Per-layer views are [num_blocks, ...] with blocks at dim 0."""
+        views = getattr(self, "_kv_views_to_zero", None)
+        if not block_ids or not views:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for kv in views:
+            kv.index_fill_(0, ids, 0)

@@ -1,0 +1,159 @@
+"""SUPAWorker: vLLM's V1 GPU worker, on a SUPA device through the device layer.
+
+Overrides only what the GPU worker does in CUDA terms: device init, the
+sleep-mode memory pool, and KV-cache sizing from the device's real free
+memory.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import AbstractContextManager, nullcontext
+
+from vllm.config import CUDAGraphMode, set_current_vllm_config
+from vllm.distributed.parallel_state import get_pp_group
+from vllm.platforms import current_platform
+from vllm.utils.mem_utils import format_gib
+from vllm.utils.torch_utils import set_random_seed
+from vllm.utils.gc_utils import freeze_gc_heap
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.worker_base import CompilationTimes
+
+from vllm_br.device import get_backend
+from vllm_br.errors import SUPAConfigError
+from vllm_br.logger import init_logger
+from vllm_br.worker.model_runner import SUPAModelRunner, install_stream_aliases
+
+logger = init_logger(__name__)
+
+
+class SUPAWorker(Worker):
+    def init_device(self) -> None:
+        backend = get_backend()
+        install_stream_aliases(backend)
+        if backend.name == "cpu":
+            from vllm_br.device import cpu_accelerator
+
+            cpu_accelerator.install(backend)
+        index = self.local_rank
+        if index >= backend.device_count():
+            raise SUPAConfigError(
+                f"Worker {self.rank} needs device supa:{index} but only "
+                f"{backend.device_count()} SUPA devices are visible; lower "
+                "--tensor-parallel-size / --data-parallel-size or check "
+                "SUPA_VISIBLE_DEVICES."
+            )
+        backend.set_device(index)
+        self.device = backend.torch_device(index)
+        current_platform.check_if_supports_dtype(self.model_config.dtype)
+
+        init_worker_distributed_environment(
+            self.vllm_config,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            current_platform.dist_backend,
+        )
+        set_random_seed(self.model_config.seed)
+
+        gc.collect()
+        backend.empty_cache()
+        free, total = backend.mem_get_info(index)
+        self.init_free_memory = free
+        self.total_device_memory = total
+        self.requested_memory = int(total * self.cache_config.gpu_memory_utilization)
+        logger.info(
+            "SUPA device %s (%s backend, %s): %s GiB free of %s GiB at start-up; "
+            "%s GiB requested (--gpu-memory-utilization %.2f).",
+            index,
+            backend.name,
+            backend.get_device_properties(index).name,
+            format_gib(free),
+            format_gib(total),
+            format_gib(self.requested_memory),
+            self.cache_config.gpu_memory_utilization,
+        )
+        self._init_workspace_and_model_runner()
+
+    def _make_model_runner(self) -> SUPAModelRunner:
+        return SUPAModelRunner(self.vllm_config, self.device)
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
+        # No sleep-mode allocator on SUPA (is_sleep_mode_available() is False).
+        return nullcontext()
+
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache: the requested share of the device minus what
+        the weights and a worst-case forward pass (the profile run) use."""
+        backend = get_backend()
+        explicit = self.cache_config.kv_cache_memory_bytes
+        backend.reset_peak_memory_stats()
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.profile_run()
+        backend.synchronize()
+        gc.collect()
+        free, total = backend.mem_get_info()
+        if explicit:
+            if explicit > free:
+                raise SUPAConfigError(
+                    f"--kv-cache-memory-bytes {explicit} is more than the "
+                    f"{free} bytes free on the SUPA device; lower it."
+                )
+            self.available_kv_cache_memory_bytes = explicit
+            logger.info("KV cache: %s GiB as set by --kv-cache-memory-bytes.", format_gib(explicit))
+            return explicit
+        # Everything in use on the device after the profile run, at its peak.
+        in_use = max(backend.max_memory_allocated(), total - free)
+        available = min(self.requested_memory - in_use, free)
+        if available <= 0:
+            raise SUPAConfigError(
+                f"--gpu-memory-utilization {self.cache_config.gpu_memory_utilization} "
+                f"leaves no memory for the KV cache: the model and its activations "
+                f"use {format_gib(in_use)} GiB of the device's {format_gib(total)} "
+                "GiB; raise --gpu-memory-utilization, use a smaller model"
+                + (", or raise VLLM_BR_CPU_MEMORY_GIB." if backend.name == "cpu" else ".")
+            )
+        self.available_kv_cache_memory_bytes = available
+        logger.info(
+            "KV cache: %s GiB available (device %s GiB, requested %s GiB, weights "
+            "and peak activations %s GiB).",
+            format_gib(available),
+            format_gib(total),
+            format_gib(self.requested_memory),
+            format_gib(in_use),
+        )
+        return int(available)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        """Warm up the sampler at its largest shape, then reset the seed.
+
+        The GPU worker's version also runs Triton/CUDA kernel warm-ups and CUDA
+        graph capture, which do not exist on SUPA (graphs come with
+        SUPAGraphWrapper)."""
+        if get_pp_group().is_last_rank:
+            max_num_reqs = min(
+                self.scheduler_config.max_num_seqs,
+                self.scheduler_config.max_num_batched_tokens,
+            )
+            hidden_states, last_hidden_states = self.model_runner._dummy_run(
+                num_tokens=max_num_reqs,
+                skip_eplb=True,
+                cudagraph_runtime_mode=CUDAGraphMode.NONE,
+            )
+            if self.model_runner.is_pooling_model:
+                self.model_runner._dummy_pooler_run(hidden_states)
+            else:
+                self.model_runner._dummy_sampler_run(hidden_states=last_hidden_states)
+        set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
+        # Weights and KV cache are static from here on: keep them out of GC scans.
+        freeze_gc_heap()
+        return CompilationTimes(
+            language_model=self.compilation_config.compilation_time,
+            encoder=self.compilation_config.encoder_compilation_time,
+        )
+
+    def sleep(self, level: int = 1) -> None:
+        raise SUPAConfigError("Sleep mode is not supported on SUPA; serve without it.")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise SUPAConfigError("Sleep mode is not supported on SUPA; serve without it.")
