@@ -105,13 +105,10 @@ class DeviceBackend(ABC):
     def empty_cache(self) -> None: ...
 
     # ---- streams, events, graphs ----------------------------------------
-    @abstractmethod
-    def Stream(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (torch name)
-        ...
-
-    @abstractmethod
-    def Event(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 (torch name)
-        ...
+    #: the device's stream and event classes (torch.supa.Stream / Event on a
+    #: card). Classes, not factories: vLLM code does isinstance() on them.
+    Stream: type
+    Event: type
 
     @abstractmethod
     def current_stream(self, index: int | None = None) -> Any: ...

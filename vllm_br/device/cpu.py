@@ -217,11 +217,8 @@ class CpuBackend(DeviceBackend):
         pass
 
     # ---- streams, events, graphs ----------------------------------------
-    def Stream(self, *args: Any, **kwargs: Any) -> EmulatedStream:  # noqa: N802
-        return EmulatedStream(*args, **kwargs)
-
-    def Event(self, *args: Any, **kwargs: Any) -> EmulatedEvent:  # noqa: N802
-        return EmulatedEvent(*args, **kwargs)
+    Stream = EmulatedStream
+    Event = EmulatedEvent
 
     def current_stream(self, index: int | None = None) -> EmulatedStream:
         return _DEFAULT_STREAM

@@ -74,6 +74,8 @@ class SupaBackend(DeviceBackend):
     def __init__(self) -> None:
         self._torch_br = _import_torch_br()
         self._supa = torch.supa
+        self.Stream = self._supa.Stream
+        self.Event = self._supa.Event
         self._links: brml.LinkInfo | None = None
 
     # ---- devices ---------------------------------------------------------
@@ -132,12 +134,6 @@ class SupaBackend(DeviceBackend):
         self._supa.empty_cache()
 
     # ---- streams, events, graphs ----------------------------------------
-    def Stream(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802
-        return self._supa.Stream(*args, **kwargs)
-
-    def Event(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802
-        return self._supa.Event(*args, **kwargs)
-
     def current_stream(self, index: int | None = None) -> Any:
         return self._supa.current_stream(index)
 

@@ -1,0 +1,134 @@
+"""Greedy output through the plugin equals HF transformers ``generate``.
+
+Models: the tiny random Llama (fixture) and SmolLM2-135M-Instruct (the
+default model). Prompts have lengths around the block size of 128 and one of
+about 600 tokens, all batched together. float32: identical tokens. bfloat16:
+identical, or vLLM's ``check_logprobs_close`` rule where they part.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures.engine import (
+    check_logprobs_close,
+    counter,
+    llm_engine,
+    token_ids,
+    vllm_logprobs,
+    worker_facts,
+)
+from tests.fixtures.hf_reference import hf_greedy, hf_greedy_logprobs
+from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
+
+pytestmark = pytest.mark.e2e
+
+LENGTHS = [1, 127, 128, 129, 255, 256, 257, 600, 7, 40]
+MAX_TOKENS = 12
+NUM_LOGPROBS = 5
+
+
+def _greedy(max_tokens: int = MAX_TOKENS, logprobs: int | None = None):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs
+    )
+
+
+def _prompts(model_dir, tokenizer: bool):
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        return prompt_token_ids_of_lengths(AutoTokenizer.from_pretrained(model_dir), LENGTHS)
+    return prompt_token_ids_of_lengths(512, LENGTHS)
+
+
+def _generate(llm, prompts, params):
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "smollm2"])
+def model(request):
+    name = request.param
+    model_dir = request.getfixturevalue(f"{name}_dir")
+    return name, model_dir, _prompts(model_dir, tokenizer=(name == "smollm2"))
+
+
+def test_float32_identical_batched_with_prefix_cache(model):
+    """All prompts in one batch; then the long ones again, served from the
+    prefix cache (hits confirmed by vLLM's counters), still identical."""
+    name, model_dir, prompts = model
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS, "float32")
+    with llm_engine(model_dir, dtype="float32", enable_prefix_caching=True) as llm:
+        facts = llm.collective_rpc(worker_facts)[0]
+        assert facts["platform"] == "SUPAPlatform"
+        assert facts["worker"] == "SUPAWorker"
+        assert facts["model_runner"] == "SUPAModelRunner"
+        assert facts["attn_backends"] == ["SUPAFlashAttentionBackend"]
+        assert facts["block_size"] == 128
+
+        got = token_ids(_generate(llm, prompts, _greedy()))
+        assert got == expected
+
+        hits_before = counter(llm, "vllm:prefix_cache_hits")
+        again = [prompts[LENGTHS.index(n)] for n in (257, 600, 129)]
+        got_again = token_ids(_generate(llm, again, _greedy()))
+        hits = counter(llm, "vllm:prefix_cache_hits") - hits_before
+        # 257 -> 2 full blocks, 600 -> 4 full blocks, 129 -> 1 full block cached.
+        assert hits >= 7 * 128, f"expected prefix-cache hits, got {hits}"
+        assert got_again == [expected[LENGTHS.index(n)] for n in (257, 600, 129)]
+
+
+def test_float32_identical_with_small_prefill_chunks(model):
+    """Chunked prefill forced to 32-token chunks mixes partial prefills with
+    decodes in every step; the tokens stay identical."""
+    name, model_dir, prompts = model
+    expected = hf_greedy(model_dir, prompts, MAX_TOKENS, "float32")
+    with llm_engine(
+        model_dir,
+        dtype="float32",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=32,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+    ) as llm:
+        assert token_ids(_generate(llm, prompts, _greedy())) == expected
+
+
+def test_bfloat16_follows_check_logprobs_close(model):
+    name, model_dir, prompts = model
+    reference = [
+        (ids, steps)
+        for ids, _text, steps in hf_greedy_logprobs(
+            model_dir, prompts, MAX_TOKENS, NUM_LOGPROBS, "bfloat16"
+        )
+    ]
+    with llm_engine(model_dir, dtype="bfloat16") as llm:
+        tested = vllm_logprobs(_generate(llm, prompts, _greedy(logprobs=NUM_LOGPROBS)))
+    parted = check_logprobs_close(reference, tested)
+    # Most prompts agree over every step in bf16 as well.
+    assert sum(p is None for p in parted) >= len(prompts) // 2, parted
+
+
+def test_seeded_sampling_repeats(tiny_llama_dir):
+    """temperature / top-p / top-k with a seed: same tokens run to run, and
+    different seeds give different tokens (so it really samples)."""
+    from vllm import SamplingParams
+
+    prompts = prompt_token_ids_of_lengths(512, [5, 130, 64, 17], seed=3)
+
+    def params(seed):
+        return SamplingParams(
+            temperature=0.9, top_p=0.9, top_k=40, seed=seed, max_tokens=24, ignore_eos=True
+        )
+
+    with llm_engine(tiny_llama_dir, dtype="float32") as llm:
+        first = token_ids(_generate(llm, prompts, params(1234)))
+        second = token_ids(_generate(llm, prompts, params(1234)))
+        other = token_ids(_generate(llm, prompts, params(99)))
+    assert first == second
+    assert first != other

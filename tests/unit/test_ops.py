@@ -1,0 +1,470 @@
+"""vllm_br.ops: each reference op against an independent formula (float64,
+written here) and against vLLM's own native implementation.
+
+Tolerances: float32 atol 1e-5 / rtol 1.3e-6 against the float64 formula;
+bfloat16 atol 2e-2 / rtol 1.6e-2 (7-bit mantissa; vLLM's IR default rtol)
+against the float64 formula. Against vLLM's native code, which does the same
+arithmetic in the same order, results must be bit-identical in both dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_br import ops
+from vllm_br.ops import activation, embedding, layernorm, registry, rotary
+
+FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}
+BF16_TOL = {"atol": 2e-2, "rtol": 1.6e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(7, 13), (1, 64), (3, 5, 33)]
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    return FP32_TOL if dtype == torch.float32 else BF16_TOL
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype in DTYPES
+    torch.testing.assert_close(
+        actual, expected.to(actual.dtype), **tol(actual.dtype), equal_nan=False
+    )
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+# ---- registry ------------------------------------------------------------
+
+
+class _FakeBackend:
+    name = "fake"
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+        self.calls = 0
+
+    def fused_kernels(self):
+        self.calls += 1
+        return self.kernels
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    import vllm_br.device
+
+    def install(kernels):
+        backend = _FakeBackend(kernels)
+        monkeypatch.setattr(vllm_br.device, "get_backend", lambda: backend)
+        registry.clear_cache()
+        return backend
+
+    yield install
+    registry.clear_cache()
+
+
+def test_get_op_returns_reference_without_fused_kernels(fake_backend):
+    fake_backend({})
+    assert ops.get_op("rms_norm") is layernorm.rms_norm
+    assert ops.get_op("rotary_embedding") is rotary.rotary_embedding
+    assert ops.reference_op("silu_and_mul") is activation.silu_and_mul
+
+
+def test_get_op_prefers_fused_kernel_and_caches(fake_backend):
+    def fused_rms_norm(x, weight, eps, variance_size=None):
+        return x
+
+    backend = fake_backend({"rms_norm": fused_rms_norm})
+    assert ops.get_op("rms_norm") is fused_rms_norm
+    assert ops.get_op("rms_norm") is fused_rms_norm
+    assert ops.get_op("silu_and_mul") is activation.silu_and_mul
+    assert backend.calls == 2  # once per op name, then cached
+    ops.clear_cache()
+    assert ops.get_op("rms_norm") is fused_rms_norm
+    assert backend.calls == 3
+
+
+def test_cpu_backend_binds_no_fused_kernels():
+    registry.clear_cache()
+    for name in ops.registered_ops():
+        if name != "linear":  # registered by vllm_br.layers.weight_layout
+            assert ops.get_op(name) is ops.reference_op(name)
+
+
+def test_duplicate_registration_is_refused():
+    with pytest.raises(ValueError):
+        ops.register_op("rms_norm")(lambda x: x)
+    # re-registering the same function is harmless
+    assert ops.register_op("rms_norm")(layernorm.rms_norm) is layernorm.rms_norm
+
+
+# ---- RMSNorm --------------------------------------------------------------
+
+
+def ref_rms_norm(x, weight, eps, variance_size=None):
+    x = x.double()
+    var_x = x if variance_size is None else x[..., :variance_size]
+    y = x / torch.sqrt(var_x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight.double()
+
+
+def vllm_native(op_name):
+    from vllm import ir
+
+    return getattr(ir.ops, op_name).impls["native"].impl_fn
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("has_weight", [True, False])
+def test_rms_norm(dtype, shape, has_weight):
+    x = torch.randn(shape, dtype=dtype) * 3
+    weight = torch.randn(shape[-1], dtype=dtype) if has_weight else None
+    out = layernorm.rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    close(out, ref_rms_norm(x, weight, 1e-6))
+    assert torch.equal(out, vllm_native("rms_norm")(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_variance_size_override(dtype):
+    x = torch.randn(6, 24, dtype=dtype)
+    weight = torch.randn(24, dtype=dtype)
+    out = layernorm.rms_norm(x, weight, 1e-5, 16)
+    close(out, ref_rms_norm(x, weight, 1e-5, 16))
+    assert torch.equal(out, vllm_native("rms_norm")(x, weight, 1e-5, 16))
+
+
+def test_rms_norm_float32_weight_on_bf16_input():
+    # weight dtype differs from x: multiply in the weight's dtype, cast back
+    x = torch.randn(5, 40, dtype=torch.bfloat16)
+    weight = torch.randn(40, dtype=torch.float32)
+    out = layernorm.rms_norm(x, weight, 1e-6)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, vllm_native("rms_norm")(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("variance_size", [None, 8])
+def test_fused_add_rms_norm(dtype, shape, variance_size):
+    x = torch.randn(shape, dtype=dtype)
+    residual = torch.randn(shape, dtype=dtype)
+    weight = torch.randn(shape[-1], dtype=dtype)
+    x0, r0 = x.clone(), residual.clone()
+    out, new_residual = layernorm.fused_add_rms_norm(
+        x, residual, weight, 1e-6, variance_size
+    )
+    # inputs untouched, residual = x + residual (summed in float32)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+    summed = x.double() + residual.double()
+    close(new_residual, summed)
+    close(out, ref_rms_norm(summed, weight, 1e-6, variance_size))
+    ref_out, ref_res = vllm_native("fused_add_rms_norm")(
+        x.clone(), residual.clone(), weight, 1e-6, variance_size
+    )
+    assert torch.equal(out, ref_out) and torch.equal(new_residual, ref_res)
+
+
+def test_fused_add_rms_norm_without_weight():
+    x, residual = torch.randn(4, 17), torch.randn(4, 17)
+    out, new_residual = layernorm.fused_add_rms_norm(x, residual, None, 1e-6)
+    close(out, ref_rms_norm(x.double() + residual.double(), None, 1e-6))
+    close(new_residual, x.double() + residual.double())
+
+
+# ---- activations --------------------------------------------------------------
+
+
+def _erf_gelu(x):
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def _tanh_gelu(x):
+    return (
+        0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    )
+
+
+UNARY = [
+    (activation.gelu, _erf_gelu),
+    (activation.gelu_tanh, _tanh_gelu),
+    (activation.gelu_new, _tanh_gelu),
+    (activation.gelu_fast, _tanh_gelu),
+    (activation.quick_gelu, lambda x: x / (1.0 + torch.exp(-1.702 * x))),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fn,ref", UNARY, ids=lambda v: getattr(v, "__name__", ""))
+def test_gelu_family(dtype, shape, fn, ref):
+    x = torch.randn(shape, dtype=dtype) * 3
+    out = fn(x)
+    assert out.dtype == dtype and out.shape == x.shape
+    close(out, ref(x.double()))
+
+
+GATED = [
+    (activation.silu_and_mul, {}, lambda g: g / (1.0 + torch.exp(-g))),
+    (activation.gelu_and_mul, {}, _erf_gelu),
+    (activation.gelu_and_mul, {"approximate": "none"}, _erf_gelu),
+    (activation.gelu_and_mul, {"approximate": "tanh"}, _tanh_gelu),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 26), (1, 2), (3, 5, 66)])
+@pytest.mark.parametrize("fn,kwargs,act", GATED, ids=["silu", "gelu", "erf", "tanh"])
+def test_gated_activations(dtype, shape, fn, kwargs, act):
+    x = torch.randn(shape, dtype=dtype) * 2
+    d = shape[-1] // 2
+    out = fn(x, **kwargs)
+    assert out.shape == (*shape[:-1], d) and out.dtype == dtype
+    xd = x.double()
+    close(out, act(xd[..., :d]) * xd[..., d:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_and_mul_sparse(dtype, approximate):
+    x = torch.randn(9, 2 * 48, dtype=dtype)
+    k = 1.6448536269514722  # icdf(0.95)
+    out = activation.gelu_and_mul_sparse(x, k, approximate)
+    xd = x.double()
+    gate, up = xd[..., :48], xd[..., 48:]
+    mean = gate.mean(-1, keepdim=True)
+    std = ((gate - mean) ** 2).mean(-1, keepdim=True).sqrt()
+    act = _erf_gelu if approximate == "none" else _tanh_gelu
+    close(out, act(torch.relu(gate - (mean + std * k))) * up)
+    assert torch.equal(out, vllm_native("gelu_and_mul_sparse")(x, k, approximate))
+
+
+# ---- rotary ---------------------------------------------------------------------
+
+
+def make_cos_sin_cache(rotary_dim, max_pos, base=10000.0, dtype=torch.float32):
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2).double() / rotary_dim))
+    freqs = torch.outer(torch.arange(max_pos).double(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def ref_rotary(positions, x, head_size, rotary_dim, cache, is_neox_style):
+    """Rotation as complex multiplication, in float64."""
+    shape = x.shape
+    t = positions.numel()
+    x = x.double().reshape(t, -1, head_size).clone()
+    cos, sin = cache.double()[positions.flatten()].chunk(2, dim=-1)
+    rot = torch.complex(cos, sin).unsqueeze(1)  # [T, 1, rot/2]
+    half = rotary_dim // 2
+    if is_neox_style:
+        a_idx = torch.arange(half)
+        b_idx = a_idx + half
+    else:
+        a_idx = torch.arange(0, rotary_dim, 2)
+        b_idx = a_idx + 1
+    z = torch.complex(x[..., a_idx], x[..., b_idx]) * rot
+    x[..., a_idx] = z.real
+    x[..., b_idx] = z.imag
+    return x.reshape(shape)
+
+
+ROPE_CASES = [
+    # (num_tokens, num_heads, num_kv_heads, head_size, rotary_dim)
+    (7, 3, 1, 16, 16),
+    (5, 4, 2, 64, 32),  # partial rotary
+    (1, 2, 2, 128, 128),
+    (9, 5, 1, 80, 20),  # partial rotary, odd head count
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox_style", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("case", ROPE_CASES)
+@pytest.mark.parametrize("with_key", [True, False])
+def test_rotary_embedding(dtype, is_neox_style, case, with_key):
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    t, h, hk, head_size, rotary_dim = case
+    cache = make_cos_sin_cache(rotary_dim, 64, dtype=dtype)
+    positions = torch.randint(0, 64, (t,))
+    query = torch.randn(t, h * head_size, dtype=dtype)
+    key = torch.randn(t, hk * head_size, dtype=dtype) if with_key else None
+    q0 = query.clone()
+    q, k = rotary.rotary_embedding(
+        positions, query, key, head_size, rotary_dim, cache, is_neox_style
+    )
+    assert torch.equal(query, q0)  # not in place
+    assert q.shape == query.shape and q.dtype == dtype
+    close(q, ref_rotary(positions, query, head_size, rotary_dim, cache, is_neox_style))
+    # the channels past rotary_dim pass through untouched
+    qh, q0h = q.view(t, h, head_size), q0.view(t, h, head_size)
+    assert torch.equal(qh[..., rotary_dim:], q0h[..., rotary_dim:])
+    vq, vk = RotaryEmbedding.forward_static(
+        positions, query, key, head_size, rotary_dim, cache, is_neox_style
+    )
+    assert torch.equal(q, vq)
+    if with_key:
+        close(
+            k, ref_rotary(positions, key, head_size, rotary_dim, cache, is_neox_style)
+        )
+        assert torch.equal(k, vk)
+    else:
+        assert k is None and vk is None
+
+
+def test_rotary_embedding_3d_inputs_and_2d_positions():
+    head_size, rotary_dim = 32, 32
+    cache = make_cos_sin_cache(rotary_dim, 40)
+    positions = torch.randint(0, 40, (2, 3))  # flattened to 6 tokens
+    query = torch.randn(6, 4, head_size)
+    key = torch.randn(6, 1, head_size)
+    q, k = rotary.rotary_embedding(
+        positions, query, key, head_size, rotary_dim, cache, True
+    )
+    assert q.shape == query.shape and k.shape == key.shape
+    close(q, ref_rotary(positions, query, head_size, rotary_dim, cache, True))
+    close(k, ref_rotary(positions, key, head_size, rotary_dim, cache, True))
+
+
+def test_rotary_position_zero_is_identity():
+    cache = make_cos_sin_cache(16, 8)
+    query = torch.randn(3, 2 * 16)
+    q, _ = rotary.rotary_embedding(
+        torch.zeros(3, dtype=torch.long), query, None, 16, 16, cache, False
+    )
+    assert torch.equal(q, query)
+
+
+# ---- embedding and logits -------------------------------------------------
+
+
+def _shards(num_embeddings, org_vocab_size, tp_size, padding=64):
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+        pad_vocab_size,
+    )
+
+    org_padded = pad_vocab_size(org_vocab_size, padding)
+    total_padded = pad_vocab_size(org_padded + num_embeddings - org_vocab_size, padding)
+    return [
+        VocabParallelEmbedding._get_indices(
+            total_padded, org_padded, num_embeddings, org_vocab_size, rank, tp_size
+        )
+        for rank in range(tp_size)
+    ], total_padded // tp_size
+
+
+def _shard_weight(table, si, rows):
+    """This rank's weight: base rows, padding, added (LoRA) rows, padding."""
+    w = torch.randn(rows, table.shape[1], dtype=table.dtype) * 100  # padding junk
+    n_org = si.org_vocab_end_index - si.org_vocab_start_index
+    w[:n_org] = table[si.org_vocab_start_index : si.org_vocab_end_index]
+    n_add = si.added_vocab_end_index - si.added_vocab_start_index
+    start = si.num_org_elements_padded
+    w[start : start + n_add] = table[
+        si.added_vocab_start_index : si.added_vocab_end_index
+    ]
+    return w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("vocab", [(1010, 1010), (1026, 1010)], ids=["base", "lora"])
+def test_vocab_parallel_embedding_shards_sum_to_full_lookup(dtype, tp_size, vocab):
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        get_masked_input_and_mask,
+    )
+
+    num_embeddings, org_vocab_size = vocab
+    table = torch.randn(num_embeddings, 24, dtype=dtype)
+    ids = torch.randperm(num_embeddings)[: 2 * 300].reshape(2, 300)
+    shards, rows = _shards(num_embeddings, org_vocab_size, tp_size)
+    total = torch.zeros(2, 300, 24, dtype=dtype)
+    masked_fn = get_masked_input_and_mask._torchdynamo_orig_callable
+    for si in shards:
+        w = _shard_weight(table, si, rows)
+        args = (
+            si.org_vocab_start_index,
+            si.org_vocab_end_index,
+            si.num_org_vocab_padding,
+            si.added_vocab_start_index,
+            si.added_vocab_end_index,
+        )
+        part = embedding.vocab_parallel_embedding(ids, w, *args)
+        assert part.shape == (2, 300, 24) and part.dtype == dtype
+        # same as vLLM's masking (its uncompiled function) + lookup + zeroing
+        masked, mask = masked_fn(ids, *args)
+        expected = torch.nn.functional.embedding(masked.long(), w)
+        expected.masked_fill_(mask.unsqueeze(-1), 0)
+        assert torch.equal(part, expected)
+        total += part
+    # every id lives on exactly one rank: the sum is the exact full lookup
+    assert torch.equal(total, table[ids])
+
+
+def test_embedding_unsharded():
+    table = torch.randn(50, 8)
+    ids = torch.tensor([[0, 49, 7], [3, 3, 1]], dtype=torch.int32)
+    assert torch.equal(embedding.embedding(ids, table), table[ids.long()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_compute_logits(dtype, with_bias):
+    hidden = torch.randn(5, 3, 40, dtype=dtype)
+    weight = torch.randn(67, 40, dtype=dtype) / 6
+    bias = torch.randn(67, dtype=dtype) if with_bias else None
+    out = embedding.compute_logits(hidden, weight, bias)
+    expected = hidden.double() @ weight.double().T
+    if with_bias:
+        expected = expected + bias.double()
+    assert out.shape == (5, 3, 67)
+    torch.testing.assert_close(
+        out,
+        expected.to(dtype),
+        **(FP32_TOL if dtype == torch.float32 else {"atol": 6e-2, "rtol": 1.6e-2}),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "soft_cap,scale", [(None, 1.0), (30.0, 1.0), (None, 0.5), (50.0, 2.0)]
+)
+def test_logits_soft_cap_and_scale(dtype, soft_cap, scale):
+    logits = torch.randn(4, 99, dtype=dtype) * 60
+    before = logits.clone()
+    out = embedding.logits_soft_cap_and_scale(logits, soft_cap, scale)
+    ld = logits.double()
+    if soft_cap is not None:
+        ld = soft_cap * torch.tanh(ld / soft_cap)
+    close(out, ld * scale)
+    assert torch.equal(logits, before)
+    # vLLM's LogitsProcessor.forward order: /cap, tanh, *cap, then *= scale
+    ref = logits.clone()
+    if soft_cap is not None:
+        ref = torch.tanh(ref / soft_cap) * soft_cap
+    if scale != 1.0:
+        ref *= scale
+    assert torch.equal(out, ref)
+
+
+def test_get_op_imports_op_modules_on_a_miss(fake_backend, monkeypatch):
+    fake_backend({})
+    registry._import_op_modules()  # the real one: idempotent, every module loads
+
+    def dummy(x):
+        return x
+
+    def importer():
+        monkeypatch.setitem(registry._REFERENCE, "dummy_op", dummy)
+
+    monkeypatch.setattr(registry, "_import_op_modules", importer)
+    assert ops.get_op("dummy_op") is dummy
+    with pytest.raises(KeyError):
+        ops.get_op("no_such_op")

@@ -1,0 +1,67 @@
+"""The op registry: one reference implementation per op, or the device's kernel.
+
+``@register_op("rms_norm")`` records the plain-PyTorch reference. ``get_op``
+returns the fused kernel that ``get_backend().fused_kernels()`` binds under
+that name (same signature and semantics as the reference), else the
+reference; it is resolved on first use and cached, so a hot path pays one
+dict lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm_br.logger import init_logger
+
+logger = init_logger(__name__)
+
+_REFERENCE: dict[str, Callable[..., Any]] = {}
+_RESOLVED: dict[str, Callable[..., Any]] = {}
+
+
+def register_op(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if _REFERENCE.get(name, fn) is not fn:
+            raise ValueError(f"op {name!r} is already registered")
+        _REFERENCE[name] = fn
+        return fn
+
+    return decorator
+
+
+def reference_op(name: str) -> Callable[..., Any]:
+    return _REFERENCE[name]
+
+
+def _import_op_modules() -> None:
+    """Import every module of ``vllm_br.ops`` so all references are known."""
+    import importlib
+    import pkgutil
+
+    import vllm_br.ops as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+def get_op(name: str) -> Callable[..., Any]:
+    fn = _RESOLVED.get(name)
+    if fn is None:
+        from vllm_br.device import get_backend
+
+        if name not in _REFERENCE:
+            _import_op_modules()
+        fused = get_backend().fused_kernels().get(name)
+        fn = _RESOLVED[name] = fused if fused is not None else _REFERENCE[name]
+        logger.debug("op %s -> %s", name, "fused kernel" if fused else "reference")
+    return fn
+
+
+def registered_ops() -> list[str]:
+    return sorted(_REFERENCE)
+
+
+def clear_cache() -> None:
+    """Forget resolved ops (tests, or after the backend changes)."""
+    _RESOLVED.clear()
