@@ -5,6 +5,7 @@ The supported version is written once, in ``vllm_br._version``.
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
 
 from vllm_br._version import SUPPORTED_VLLM_VERSION
@@ -46,3 +47,20 @@ CUDA_STREAM_EVENT_NAMES = ("Stream", "Event", "current_stream", "stream", "defau
 # Triton kernels of vLLM 0.33 core that the runner launches on every step and
 # that need a plain-torch implementation on SUPA (no Triton for SUPA).
 SLOT_MAPPING_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+
+
+# vLLM 0.33's ModelRegistry error for an architecture it does not know; its
+# message lists every supported architecture (thousands of characters).
+_UNKNOWN_ARCH = re.compile(r"Model architectures (\[[^\]]*\]) are not supported for now")
+
+
+def known_vllm_user_error(err: BaseException) -> str | None:
+    """One sentence for a vLLM error a user caused, where vLLM's own is long."""
+    match = _UNKNOWN_ARCH.search(str(err))
+    if match:
+        return (
+            f"Model architecture {match.group(1)} is not one vLLM "
+            f"{SUPPORTED_VLLM_VERSION} can serve; use a model whose config.json "
+            "names a supported architecture."
+        )
+    return None

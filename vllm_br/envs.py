@@ -161,6 +161,12 @@ _VARS: dict[str, EnvVar] = {
             "cpu backend: memory of one emulated device in GiB (capped by the "
             "host's memory); --gpu-memory-utilization is a fraction of it.",
         ),
+        EnvVar(
+            "VLLM_BR_MODEL_CACHE", None, _path, "a folder path",
+            "Folder where the plugin keeps models it prepares itself (python -m "
+            "vllm_br.model_cache prepare); the default model goes in its "
+            "SmolLM2-135M-Instruct subfolder. Unset means ~/.cache/vllm-br/models.",
+        ),
     ]
 }
 

@@ -9,9 +9,9 @@ the host).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch

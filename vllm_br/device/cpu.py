@@ -113,7 +113,7 @@ def _copy_into(dst: Any, src: Any) -> None:
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
     elif isinstance(dst, (list, tuple)):
-        for d, s in zip(dst, src):
+        for d, s in zip(dst, src, strict=True):
             _copy_into(d, s)
     elif isinstance(dst, dict):
         for k in dst:

@@ -68,9 +68,10 @@ LEDGER: list[Patch] = [
         name="cli-config-error-hook",
         target="sys.excepthook",
         why=(
-            "A SUPAConfigError raised while `vllm serve` builds its config would "
-            "print a traceback; the hook prints only its one-sentence message and "
-            "exits 1. Other exceptions keep the default hook."
+            "A SUPAConfigError (or a known vLLM user error such as an unknown "
+            "architecture) raised while `vllm serve` builds its config would print "
+            "a long traceback; the hook prints its one sentence instead and the "
+            "process exits 1. Other exceptions keep the default hook."
         ),
         remove_when="vLLM's CLI reports ValueError from platform checks without a traceback.",
         scope="every process",
@@ -88,20 +89,50 @@ def _cpu_torch_accelerator() -> None:
         cpu_accelerator.install(backend)
 
 
-def _cli_config_error_hook() -> None:
+def _causes(exc: BaseException | None):
+    """The exception, what it chains to, and what pydantic wrapped inside it."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
+        stack += [err.__cause__, err.__context__]
+        errors = getattr(err, "errors", None)
+        if callable(errors) and type(err).__name__ == "ValidationError":
+            try:
+                stack += [e.get("ctx", {}).get("error") for e in errors()]
+            except Exception:
+                pass
+
+
+def user_error_sentence(exc: BaseException) -> str | None:
+    """The one sentence to show for an error the user caused, else None."""
+    from vllm_br import compat
     from vllm_br.errors import SUPAConfigError
 
+    for err in _causes(exc):
+        if isinstance(err, SUPAConfigError):
+            return str(err)
+    for err in _causes(exc):
+        sentence = compat.known_vllm_user_error(err)
+        if sentence is not None:
+            return sentence
+    return None
+
+
+def _cli_config_error_hook() -> None:
     previous = sys.excepthook
     if getattr(previous, "_vllm_br", False):
         return
 
     def hook(exc_type, exc, tb):
-        err = exc
-        while err is not None and not isinstance(err, SUPAConfigError):
-            err = err.__cause__ or err.__context__
-        if err is not None:
+        sentence = user_error_sentence(exc)
+        if sentence is not None:
             # The interpreter exits with status 1 after the hook returns.
-            print(f"Error: {err}", file=sys.stderr)
+            print(f"Error: {sentence}", file=sys.stderr)
             return
         previous(exc_type, exc, tb)
 

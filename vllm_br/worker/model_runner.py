@@ -9,8 +9,6 @@ are the few places where the GPU runner assumes CUDA semantics.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from vllm.config import VllmConfig
 from vllm.v1.utils import CpuGpuBuffer

@@ -13,9 +13,9 @@ from contextlib import AbstractContextManager, nullcontext
 from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.platforms import current_platform
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.mem_utils import format_gib
 from vllm.utils.torch_utils import set_random_seed
-from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 

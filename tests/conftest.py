@@ -1,0 +1,35 @@
+"""Session fixtures shared by all tests (fixtures only; helpers live in
+tests/fixtures/)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # plain `pytest` does not put the repo root there
+    sys.path.insert(0, str(_ROOT))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random LlamaForCausalLM folder (float32, vocab 512, 2 layers),
+    built once per session. Shared: do not modify it."""
+    from tests.fixtures.tiny_models import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The plugin's default model (SmolLM2-135M-Instruct), prepared on first
+    use (~30 s and a 93 MB download). scripts/setup.sh prepares it, so a
+    failure here is a real failure, not a reason to skip."""
+    from vllm_br.model_cache import ModelDownloadError, prepare_default_model
+
+    try:
+        return prepare_default_model()
+    except ModelDownloadError as e:
+        pytest.fail(str(e))
