@@ -19,6 +19,20 @@ _lock = threading.Lock()
 _decision: str | None = None
 _decided = False
 _registered = False
+# Why the platform is active, in one line. vLLM configures logging after
+# platform detection, so SUPAPlatform.log_warnings() prints it then.
+_reason: str | None = None
+
+
+def activation_reason() -> str | None:
+    return _reason
+
+
+def _active(reason: str) -> str:
+    global _reason
+    _reason = reason
+    logger.debug("%s", reason)
+    return PLATFORM_CLASS_PATH
 
 
 def _other_vllm_platform() -> str | None:
@@ -47,13 +61,11 @@ def _decide() -> str | None:
         # Activate anyway so the platform stops start-up with this sentence,
         # instead of vLLM silently falling back to another platform.
         logger.error("%s", e)
-        return PLATFORM_CLASS_PATH
+        return _active(f"SUPA platform active with an invalid setting: {e}")
     if choice in ("supa", "cpu"):
-        logger.info("SUPA platform active (VLLM_BR_DEVICE=%s).", choice)
-        return PLATFORM_CLASS_PATH
+        return _active(f"SUPA platform active on the {choice} backend (VLLM_BR_DEVICE={choice}).")
     if supa_present():
-        logger.info("SUPA platform active: a Biren SUPA device was found.")
-        return PLATFORM_CLASS_PATH
+        return _active("SUPA platform active on the supa backend: a Biren SUPA device was found.")
     other = _other_vllm_platform()
     if other is not None:
         logger.info(
@@ -62,11 +74,10 @@ def _decide() -> str | None:
             other,
         )
         return None
-    logger.info(
+    return _active(
         "SUPA platform active on the cpu emulation backend: no SUPA device and "
         "no other vLLM platform here (VLLM_BR_DEVICE=cpu makes this explicit)."
     )
-    return PLATFORM_CLASS_PATH
 
 
 def platform_class_path() -> str | None:

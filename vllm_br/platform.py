@@ -66,6 +66,15 @@ class SUPAPlatform(Platform):
     #: "supa" or "cpu": which device backend serves this platform
     backend_name: str = _BACKEND.name
 
+    @classmethod
+    def log_warnings(cls) -> None:
+        # Called by vLLM once logging is configured in a process.
+        from vllm_br.activation import activation_reason
+
+        reason = activation_reason()
+        if reason:
+            logger.info_once(reason)
+
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
         # The first entry is what --dtype auto falls back to (float16 -> bf16).

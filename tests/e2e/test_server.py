@@ -1,0 +1,135 @@
+"""`vllm serve` of the default model through the plugin, on 127.0.0.1,
+queried with the openai client: completions and chat, streaming and not,
+/health and /metrics. The server is stopped and nothing is left running."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+pytestmark = pytest.mark.e2e
+
+VLLM = str(Path(sys.executable).with_name("vllm"))
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "serve.log"
+    log = open(log_path, "w")
+    env = {**os.environ, "VLLM_BR_DEVICE": "cpu"}
+    proc = subprocess.Popen(
+        [
+            VLLM, "serve", str(smollm2_dir),
+            "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", "2048", "--max-num-seqs", "8",
+        ],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited:\n{log_path.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                raise AssertionError(f"server not healthy:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base, log_path
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=30)
+        log.close()
+        assert alive == [], f"left running after shutdown: {alive}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    base, _ = server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+
+
+def test_health_and_models(server, client):
+    base, log_path = server
+    assert requests.get(f"{base}/health", timeout=5).status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert "SUPA platform active on the cpu backend" in log_path.read_text()
+
+
+def test_completion(client):
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert out.choices[0].text.startswith(" Paris")
+    assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"
+
+
+def test_completion_stream_matches_non_stream(client):
+    args = dict(model=MODEL_NAME, prompt="Water boils at", max_tokens=12, temperature=0)
+    full = client.completions.create(**args).choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(**args, stream=True)]
+    assert len(pieces) > 1
+    assert "".join(pieces) == full
+
+
+def test_chat(client):
+    out = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert "Paris" in out.choices[0].message.content
+
+
+def test_chat_stream(client):
+    args = dict(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Name one primary colour."}],
+        max_tokens=16,
+        temperature=0,
+    )
+    full = client.chat.completions.create(**args).choices[0].message.content
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**args, stream=True)
+        if c.choices
+    ]
+    assert "".join(pieces) == full
+
+
+def test_metrics(server, client):
+    base, _ = server
+    client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2)
+    text = requests.get(f"{base}/metrics", timeout=5).text
+    assert "vllm:generation_tokens_total" in text
+    assert "vllm:prefix_cache_queries" in text
