@@ -8,6 +8,8 @@ identical, or vLLM's ``check_logprobs_close`` rule where they part.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.fixtures.engine import (
@@ -69,6 +71,21 @@ def test_float32_identical_batched_with_prefix_cache(model):
         assert facts["model_runner"] == "SUPAModelRunner"
         assert facts["attn_backends"] == ["SUPAFlashAttentionBackend"]
         assert facts["block_size"] == 128
+        # KV cache sized from the emulated device's memory (VLLM_BR_CPU_MEMORY_GIB
+        # in tests/e2e/conftest.py) times --gpu-memory-utilization (0.9).
+        device_bytes = float(os.environ["VLLM_BR_CPU_MEMORY_GIB"]) * (1 << 30)
+        assert 0 < facts["kv_cache_bytes"] < 0.9 * device_bytes
+        # The plugin's layers serve every op, not vLLM's native fallbacks.
+        expected_layers = {
+            "SUPARMSNorm", "SUPASiluAndMul", "SUPARotaryEmbedding",
+            "SUPAVocabParallelEmbedding", "SUPALogitsProcessor",
+            "SUPAQKVParallelLinear", "SUPAMergedColumnParallelLinear",
+            "SUPARowParallelLinear",
+        }  # fmt: skip
+        assert expected_layers <= set(facts["plugin_layers"]), facts["plugin_layers"]
+        assert all(
+            method == "forward_oot" for method in facts["custom_op_dispatch"].values()
+        ), facts["custom_op_dispatch"]
 
         got = token_ids(_generate(llm, prompts, _greedy()))
         assert got == expected
