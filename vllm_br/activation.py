@@ -94,10 +94,11 @@ def platform_class_path() -> str | None:
 
 
 def reset_for_tests() -> None:
-    global _decided, _decision
+    global _decided, _decision, _reason
     with _lock:
         _decided = False
         _decision = None
+        _reason = None
 
 
 def register_everything() -> None:

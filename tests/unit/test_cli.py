@@ -73,11 +73,13 @@ def json_output(outputs) -> dict:
 def test_text_names_platform_backend_and_versions(text_output):
     lines = text_output.splitlines()
     assert any(
-        line.startswith("platform:") and line.split()[-1] == "vllm_br.platform.SUPAPlatform"
+        line.startswith("platform:")
+        and line.split()[-1] == "vllm_br.platform.SUPAPlatform"
         for line in lines
     ), text_output
     assert any(
-        line.startswith("device backend:") and line.split()[-1] == "cpu" for line in lines
+        line.startswith("device backend:") and line.split()[-1] == "cpu"
+        for line in lines
     ), text_output
     for dist in ("torch", "vllm"):
         row = [line for line in lines if line.startswith(f"{dist}:")]
@@ -119,7 +121,10 @@ def test_json(json_output):
         assert d["total_memory_bytes"] > 0
         assert d["name"]
     current = [d for d in devices if d["free_memory_bytes"] is not None]
-    assert current and 0 < current[0]["free_memory_bytes"] <= current[0]["total_memory_bytes"]
+    assert (
+        current
+        and 0 < current[0]["free_memory_bytes"] <= current[0]["total_memory_bytes"]
+    )
     p2p = info["topology"]["p2p"]
     assert len(p2p) == _NUM_DEVICES and all(len(r) == _NUM_DEVICES for r in p2p)
     assert list(info["settings"]) == envs.names()

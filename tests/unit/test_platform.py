@@ -201,9 +201,19 @@ def test_float32_explicit_is_accepted(tiny_llama_dir):
         ({"kv_cache_dtype": "fp8"}, {}, ["--kv-cache-dtype fp8"]),
         ({"enable_lora": True}, {}, ["LoRA", "--enable-lora"]),
     ],
-    ids=["block-size-16", "dtype-float16", "v0", "bad-env", "bad-env-int", "kv-fp8", "lora"],
+    ids=[
+        "block-size-16",
+        "dtype-float16",
+        "v0",
+        "bad-env",
+        "bad-env-int",
+        "kv-fp8",
+        "lora",
+    ],
 )
-def test_config_errors_are_one_sentence(tiny_llama_dir, monkeypatch, kwargs, env, names):
+def test_config_errors_are_one_sentence(
+    tiny_llama_dir, monkeypatch, kwargs, env, names
+):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(Exception) as info:  # noqa: B017 (pydantic wraps it)

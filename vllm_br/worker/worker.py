@@ -102,9 +102,10 @@ class SUPAWorker(Worker):
             self.available_kv_cache_memory_bytes = explicit
             logger.info("KV cache: %s GiB as set by --kv-cache-memory-bytes.", format_gib(explicit))
             return explicit
-        # Everything in use on the device after the profile run, at its peak.
+        # Everything in use on the device after the profile run, at its peak
+        # (at least total - free, so the result never exceeds what is free).
         in_use = max(backend.max_memory_allocated(), total - free)
-        available = min(self.requested_memory - in_use, free)
+        available = self.requested_memory - in_use
         if available <= 0:
             raise SUPAConfigError(
                 f"--gpu-memory-utilization {self.cache_config.gpu_memory_utilization} "
