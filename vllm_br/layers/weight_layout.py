@@ -80,6 +80,16 @@ def _is_plain(layout: str, dies: int) -> bool:
     return layout == UMA or dies <= 1
 
 
+def _row_order(
+    weight: torch.Tensor, layout: str, dies: int, partition_sizes: Sequence[int] | None
+) -> torch.Tensor | None:
+    """Row permutation logical -> device layout, or None where it is the identity."""
+    sizes = _sizes(weight, partition_sizes)
+    if _is_plain(layout, dies):
+        return None
+    return torch.tensor(_numa_order(sizes, dies), device=weight.device)
+
+
 def to_device_layout(
     weight: torch.Tensor,
     layout: str,
@@ -87,11 +97,8 @@ def to_device_layout(
     partition_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The tensor to store for a logical ``[N, ...]`` weight (or ``[N]`` bias)."""
-    sizes = _sizes(weight, partition_sizes)
-    if _is_plain(layout, dies):
-        return weight
-    order = torch.tensor(_numa_order(sizes, dies), device=weight.device)
-    return weight.index_select(0, order)
+    order = _row_order(weight, layout, dies, partition_sizes)
+    return weight if order is None else weight.index_select(0, order)
 
 
 def from_device_layout(
@@ -101,11 +108,8 @@ def from_device_layout(
     partition_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The logical weight back from its device layout (inverse of the above)."""
-    sizes = _sizes(weight, partition_sizes)
-    if _is_plain(layout, dies):
-        return weight
-    order = torch.tensor(_numa_order(sizes, dies), device=weight.device)
-    return weight.index_select(0, torch.argsort(order))
+    order = _row_order(weight, layout, dies, partition_sizes)
+    return weight if order is None else weight.index_select(0, torch.argsort(order))
 
 
 @dataclass(frozen=True, eq=False)

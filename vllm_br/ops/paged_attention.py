@@ -486,6 +486,25 @@ def paged_attention(
             nb = min(nb, math.ceil((max_q + window - 1) / block_size) + 1)
         return max(1, min(nb, width))
 
+    def gather_with_mask(key, positions, bt, sl, c, nb):
+        """K/V of the requests through their block tables and the attention
+        mask; positions and mask are computed once per step (kept in the plan
+        and shared by all layers) unless causality varies per request."""
+        cached = plan._cache.get(key)
+        if cached is None:
+            cached = positions()
+            if not dyn_causal:
+                plan._cache[key] = cached
+        qpos, start = cached
+        k, v, kpos = _gather_kv(kv_cache, bt, start, nb, head_size)
+        mkey = key + ("mask",)
+        m = plan._cache.get(mkey)
+        if m is None:
+            m = _mask(kpos, qpos, sl, c, window)
+            if not dyn_causal:
+                plan._cache[mkey] = m
+        return k, v, m
+
     # ---- decodes: [num_decodes, H, 1, S] ---------------------------------- #
     nd = plan.num_decodes
     if nd:
@@ -501,8 +520,8 @@ def paged_attention(
             c = causal.index_select(0, plan.decode_reqs) if dyn_causal else causal
         nb = n_blocks(plan.decode_max_seq_len, 1)
         key = ("decode", window, None if dyn_causal else bool(c), nb)
-        cached = plan._cache.get(key)
-        if cached is None:
+
+        def decode_positions():
             qpos = (sl - 1)[:, None]
             start = None
             if window is not None:
@@ -511,17 +530,9 @@ def paged_attention(
                     block_size,
                     rounding_mode="floor",
                 )
-            cached = (qpos, start)
-            if not dyn_causal:
-                plan._cache[key] = cached
-        qpos, start = cached
-        k, v, kpos = _gather_kv(kv_cache, bt, start, nb, head_size)
-        mkey = key + ("mask",)
-        m = plan._cache.get(mkey)
-        if m is None:
-            m = _mask(kpos, qpos, sl, c, window)
-            if not dyn_causal:
-                plan._cache[mkey] = m
+            return qpos, start
+
+        k, v, m = gather_with_mask(key, decode_positions, bt, sl, c, nb)
         o = _attend(q[:, None], k, v, m, scale, logits_soft_cap, use_sdpa)[:, 0]
         if plan.decode_tokens is None:
             out3[:nd] = o
@@ -540,8 +551,8 @@ def paged_attention(
         c = causal.index_select(0, preqs) if dyn_causal else causal
         nb = n_blocks(plan.prefill_max_seq_len, max_q)
         key = ("prefill", window, None if dyn_causal else bool(c), nb)
-        cached = plan._cache.get(key)
-        if cached is None:
+
+        def prefill_positions():
             ctx = sl - plan.prefill_query_lens
             qpos = ctx[:, None] + torch.arange(max_q, device=query.device)[None, :]
             start = None
@@ -549,17 +560,9 @@ def paged_attention(
                 start = torch.div(
                     (ctx - window + 1).clamp(min=0), block_size, rounding_mode="floor"
                 )
-            cached = (qpos, start)
-            if not dyn_causal:
-                plan._cache[key] = cached
-        qpos, start = cached
-        k, v, kpos = _gather_kv(kv_cache, bt, start, nb, head_size)
-        mkey = key + ("mask",)
-        m = plan._cache.get(mkey)
-        if m is None:
-            m = _mask(kpos, qpos, sl, c, window)
-            if not dyn_causal:
-                plan._cache[mkey] = m
+            return qpos, start
+
+        k, v, m = gather_with_mask(key, prefill_positions, bt, sl, c, nb)
         if plan.prefill_tokens is None:
             t0 = plan.prefill_token_start
             qf = query[t0 : t0 + plan.num_prefill_tokens]
