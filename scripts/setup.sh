@@ -67,7 +67,23 @@ if ! have pytest "*" || ! have openai "*" || ! have gguf "*" || ! have accelerat
   pipi -c "$PIN" -r "$ROOT/requirements/test.txt"
 fi
 
-if ! "$VPY" -c "import vllm_br, sys; sys.exit(0 if vllm_br.__file__.startswith('$ROOT/') else 1)" 2>/dev/null; then
+plugin_installed_here() {  # editable install of this checkout, entry points included
+  (cd / && "$VPY" - "$ROOT" <<'PYEOF'
+import json, sys
+from importlib import metadata
+try:
+    dist = metadata.distribution("vllm-br")
+except metadata.PackageNotFoundError:
+    sys.exit(1)
+url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+groups = {ep.group for ep in dist.entry_points}
+ok = url == "file://" + sys.argv[1] and {"vllm.platform_plugins", "vllm.general_plugins"} <= groups
+sys.exit(0 if ok else 1)
+PYEOF
+  )
+}
+
+if ! plugin_installed_here; then
   log "installing vllm-br (editable)"
   # --no-deps: the plugin's metadata must never pull vllm from the index.
   pipi --no-deps --no-build-isolation -e "$ROOT"
