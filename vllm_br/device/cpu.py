@@ -161,6 +161,12 @@ class CpuBackend(DeviceBackend):
     def synchronize(self, index: int | None = None) -> None:
         pass
 
+    @staticmethod
+    def host_threads(workers_on_host: int = 1) -> int:
+        """Intra-op threads for one emulated device: the cores this process
+        may run on, shared by the workers on this host."""
+        return max(1, len(os.sched_getaffinity(0)) // max(1, workers_on_host))
+
     def get_device_properties(self, index: int = 0) -> DeviceProperties:
         spc = envs.VLLM_BR_DEVICE_SPC_NUM or _EMULATED_SPC_COUNT
         return DeviceProperties(

@@ -8,8 +8,10 @@ memory.
 from __future__ import annotations
 
 import gc
+import os
 from contextlib import AbstractContextManager, nullcontext
 
+import torch
 from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.platforms import current_platform
@@ -74,6 +76,15 @@ class SUPAWorker(Worker):
             self.cache_config.gpu_memory_utilization,
         )
         self._init_workspace_and_model_runner()
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        super().load_model(load_dummy_weights=load_dummy_weights)
+        # vLLM drops torch to one intra-op thread for serving, since on a card
+        # host ops only schedule work. In emulation the host *is* the device:
+        # give each worker its share of the cores, unless OMP_NUM_THREADS is set.
+        backend = get_backend()
+        if backend.name == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(backend.host_threads(self.parallel_config.world_size))
 
     def _make_model_runner(self) -> SUPAModelRunner:
         return SUPAModelRunner(self.vllm_config, self.device)
