@@ -91,10 +91,10 @@ class SUPAPlatform(Platform):
 
     @classmethod
     def get_current_memory_usage(cls, device: torch.device | None = None) -> float:
+        # `device` (the argument) shadows the device-layer module here.
         from vllm_br.device import get_backend
 
-        get_backend().reset_peak_memory_stats()
-        return float(get_backend().max_memory_allocated())
+        return float(get_backend().memory_allocated())
 
     @classmethod
     def set_device(cls, dev: torch.device) -> None:
