@@ -55,11 +55,17 @@ def bandwidth_gbs(gib: float, repeats: int) -> dict[str, float]:
         src.sum()
         best_read = min(best_read, time.perf_counter() - t)
     nbytes = n * 4
-    return dict(copy_gbs=2 * nbytes / best_copy / 1e9, read_gbs=nbytes / best_read / 1e9, bytes=nbytes)
+    return dict(
+        copy_gbs=2 * nbytes / best_copy / 1e9,
+        read_gbs=nbytes / best_read / 1e9,
+        bytes=nbytes,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json-out", required=True)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sizes", default="2048,4096")
@@ -87,8 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps(result, indent=2))
-    print(f"[machine_limits] bf16 GEMM {result['bf16_gemm_gflops']:.1f} GFLOP/s, "
-          f"copy {result['copy_bandwidth_gbs']:.1f} GB/s, read {result['read_bandwidth_gbs']:.1f} GB/s", flush=True)
+    print(
+        f"[machine_limits] bf16 GEMM {result['bf16_gemm_gflops']:.1f} GFLOP/s, "
+        f"copy {result['copy_bandwidth_gbs']:.1f} GB/s, read {result['read_bandwidth_gbs']:.1f} GB/s",
+        flush=True,
+    )
     return 0
 
 

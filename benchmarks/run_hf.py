@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -44,7 +43,9 @@ def versions() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True)
     ap.add_argument("--workload", required=True, choices=["W1", "W2"])
     ap.add_argument("--repeats", type=int, default=1)
@@ -54,20 +55,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
-    ap.add_argument("--batch-sizes", default="1,4,8,16,32,64", help="W1: comma-separated, fastest wins")
+    ap.add_argument(
+        "--batch-sizes",
+        default="1,4,8,16,32,64",
+        help="W1: comma-separated, fastest wins",
+    )
     ap.add_argument("--tune-requests", type=int, default=16)
     args = ap.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    work = wl.build(args.workload, args.model, num_requests=args.num_requests,
-                    output_len=args.output_len, prompt_len=args.prompt_len)
+    work = wl.build(
+        args.workload,
+        args.model,
+        num_requests=args.num_requests,
+        output_len=args.output_len,
+        prompt_len=args.prompt_len,
+    )
     tok = wl.load_tokenizer(args.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype)
+    )
     model.eval()
     startup_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in model.parameters())
@@ -77,22 +89,28 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
             )
         got = out.shape[1] - width
         assert got == new_tokens, (got, new_tokens)
         return got * len(prompts)
 
-    def run_batched(prompts: list[list[int]], bs: int, new_tokens: int) -> tuple[float, int]:
+    def run_batched(
+        prompts: list[list[int]], bs: int, new_tokens: int
+    ) -> tuple[float, int]:
         t = time.perf_counter()
         n = 0
         for i in range(0, len(prompts), bs):
-            n += gen(prompts[i:i + bs], new_tokens)
+            n += gen(prompts[i : i + bs], new_tokens)
         return time.perf_counter() - t, n
 
     tuning: list[dict[str, Any]] = []
@@ -106,13 +124,27 @@ def main(argv: list[str] | None = None) -> int:
             batch_size = sizes[0]
         else:
             for bs in sizes:
-                sub = work.prompts[: min(len(work.prompts), max(bs, args.tune_requests))]
+                sub = work.prompts[
+                    : min(len(work.prompts), max(bs, args.tune_requests))
+                ]
                 sub = sub[: (len(sub) // bs) * bs]
                 gen(sub[:bs], min(4, work.output_len))  # warm-up at this shape
                 el, n = run_batched(sub, bs, work.output_len)
-                tuning.append(dict(batch_size=bs, requests=len(sub), elapsed_s=el, output_tokens_per_s=n / el))
-                print(f"[run_hf] tune bs={bs}: {n / el:.1f} output tok/s on {len(sub)} requests", flush=True)
-            batch_size = max(tuning, key=lambda r: r["output_tokens_per_s"])["batch_size"]
+                tuning.append(
+                    dict(
+                        batch_size=bs,
+                        requests=len(sub),
+                        elapsed_s=el,
+                        output_tokens_per_s=n / el,
+                    )
+                )
+                print(
+                    f"[run_hf] tune bs={bs}: {n / el:.1f} output tok/s on {len(sub)} requests",
+                    flush=True,
+                )
+            batch_size = max(tuning, key=lambda r: r["output_tokens_per_s"])[
+                "batch_size"
+            ]
         t = time.perf_counter()
         gen(work.prompts[:batch_size], min(8, work.output_len))
         warm_s = time.perf_counter() - t
@@ -152,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=batch_size,
         tuning=tuning,
         versions=versions(),
-        facts=dict(params=int(n_params), torch_threads=torch.get_num_threads(),
-                   attn_implementation=getattr(model.config, "_attn_implementation", None)),
+        facts=dict(
+            params=int(n_params),
+            torch_threads=torch.get_num_threads(),
+            attn_implementation=getattr(model.config, "_attn_implementation", None),
+        ),
         startup_s=startup_s,
         warmup_s=warm_s,
         repeats=repeats,
@@ -161,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    summary = {k: round(v, 4) if isinstance(v, float) else v for k, v in repeats[-1].items()}
-    print(f"[run_hf] {args.label} {args.workload} bs={batch_size}: {summary}", flush=True)
+    summary = {
+        k: round(v, 4) if isinstance(v, float) else v for k, v in repeats[-1].items()
+    }
+    print(
+        f"[run_hf] {args.label} {args.workload} bs={batch_size}: {summary}", flush=True
+    )
     return 0
 
 

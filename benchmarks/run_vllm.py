@@ -50,6 +50,7 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 # --- callables run inside the worker through LLM.collective_rpc -------------
 
+
 def _unwrap(worker: Any) -> Any:
     return getattr(worker, "worker", worker)
 
@@ -103,7 +104,9 @@ def rpc_install_timer(worker: Any) -> bool:
     def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = _time.perf_counter()
         out = orig_logits(hidden_states, *args, **kwargs)
-        records.append(("l", t0, _time.perf_counter() - t0, int(hidden_states.shape[0])))
+        records.append(
+            ("l", t0, _time.perf_counter() - t0, int(hidden_states.shape[0]))
+        )
         return out
 
     model.forward = forward
@@ -148,10 +151,12 @@ def rpc_profile_stop(worker: Any) -> str:
     if kind == "torch":
         prof.__exit__(None, None, None)
         ka = prof.key_averages()
-        return ("== torch.profiler, sorted by self CPU time ==\n"
-                + ka.table(sort_by="self_cpu_time_total", row_limit=40)
-                + "\n== sorted by total CPU time ==\n"
-                + ka.table(sort_by="cpu_time_total", row_limit=40))
+        return (
+            "== torch.profiler, sorted by self CPU time ==\n"
+            + ka.table(sort_by="self_cpu_time_total", row_limit=40)
+            + "\n== sorted by total CPU time ==\n"
+            + ka.table(sort_by="cpu_time_total", row_limit=40)
+        )
     import pstats
 
     prof.disable()
@@ -165,6 +170,7 @@ def rpc_profile_stop(worker: Any) -> str:
 
 # --- analysis of the timer records -------------------------------------------
 
+
 def step_table(records: list[tuple[str, float, float, int]]) -> list[dict[str, float]]:
     """Group the records into engine steps: a forward and the compute_logits
     calls that follow it."""
@@ -175,18 +181,25 @@ def step_table(records: list[tuple[str, float, float, int]]) -> list[dict[str, f
         elif steps:
             steps[-1]["logits"] += n
             steps[-1]["logits_s"] += dt
-    for a, b in zip(steps, steps[1:]):
+    for a, b in zip(steps, steps[1:], strict=False):
         a["wall"] = b["t0"] - a["t0"]
     return steps
 
 
-def decode_overhead(steps: list[dict[str, float]], batch: int | None = None) -> dict[str, Any]:
+def decode_overhead(
+    steps: list[dict[str, float]], batch: int | None = None
+) -> dict[str, Any]:
     """Host overhead of pure decode steps at ``batch`` (default: the largest
     pure-decode batch seen)."""
+
     def pure(s: dict[str, float]) -> bool:
         return s["tokens"] == s["logits"] and s["tokens"] > 0
 
-    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if pure(a) and pure(b) and a["tokens"] == b["tokens"]]
+    pairs = [
+        (a, b)
+        for a, b in zip(steps, steps[1:], strict=False)
+        if pure(a) and pure(b) and a["tokens"] == b["tokens"]
+    ]
     if not pairs:
         return {}
     if batch is None:
@@ -196,7 +209,7 @@ def decode_overhead(steps: list[dict[str, float]], batch: int | None = None) -> 
         return {}
     walls = [a["wall"] for a in sel]
     model = [a["fwd"] + a["logits_s"] for a in sel]
-    over = [w - m for w, m in zip(walls, model)]
+    over = [w - m for w, m in zip(walls, model, strict=True)]
     return dict(
         batch=batch,
         steps=len(sel),
@@ -219,6 +232,7 @@ def decode_overhead(steps: list[dict[str, float]], batch: int | None = None) -> 
 
 # --- the benchmark -----------------------------------------------------------
 
+
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -232,35 +246,67 @@ def versions() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True)
-    ap.add_argument("--workload", required=True, choices=["W1", "W2"])
+    ap.add_argument(
+        "--workload",
+        required=True,
+        help="W1 | W2; 'W1,W2' runs both on one engine (smoke tests: one start-up; "
+        "then --json-out must contain {workload})",
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--json-out", required=True)
     ap.add_argument("--label", default="vllm", help="system name written into the JSON")
     ap.add_argument("--dtype", default=wl.DTYPE)
-    ap.add_argument("--num-requests", type=int, default=None, help="W1 only (default 64)")
+    ap.add_argument(
+        "--num-requests", type=int, default=None, help="W1 only (default 64)"
+    )
     ap.add_argument("--output-len", type=int, default=None, help="default 128")
     ap.add_argument("--prompt-len", type=int, default=None, help="W2 only (default 64)")
-    ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="engine batch limit (default: W1 number of requests, W2 1)")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="default: longest prompt + output, rounded up to 128")
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="engine batch limit (default: W1 number of requests, W2 1)",
+    )
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: longest prompt + output, rounded up to 128",
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--warmup-tokens", type=int, default=8)
-    ap.add_argument("--no-timing", action="store_true", help="do not install the step timer")
+    ap.add_argument(
+        "--no-timing", action="store_true", help="do not install the step timer"
+    )
     ap.add_argument("--profile", choices=["torch", "cprofile"], default=None)
     ap.add_argument("--engine-args", default="{}", help="extra LLM(...) kwargs as JSON")
     args = ap.parse_args(argv)
+    names = [w.strip() for w in args.workload.split(",") if w.strip()]
+    if not names or any(w not in ("W1", "W2") for w in names):
+        ap.error("--workload must be W1, W2 or W1,W2")
+    if len(names) > 1 and "{workload}" not in args.json_out:
+        ap.error("with several workloads --json-out must contain {workload}")
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    work = wl.build(args.workload, args.model, num_requests=args.num_requests,
-                    output_len=args.output_len, prompt_len=args.prompt_len)
-    longest = max(len(p) for p in work.prompts)
-    max_model_len = args.max_model_len or (-(-(longest + work.output_len) // 128) * 128)
-    max_num_seqs = args.max_num_seqs or len(work.prompts)
+    works = [
+        wl.build(
+            w,
+            args.model,
+            num_requests=args.num_requests,
+            output_len=args.output_len,
+            prompt_len=args.prompt_len,
+        )
+        for w in names
+    ]
+    longest = max(len(p) + w.output_len for w in works for p in w.prompts)
+    max_model_len = args.max_model_len or (-(-longest // 128) * 128)
+    max_num_seqs = args.max_num_seqs or max(len(w.prompts) for w in works)
     engine_kwargs: dict[str, Any] = dict(
         model=args.model,
         dtype=args.dtype,
@@ -281,79 +327,98 @@ def main(argv: list[str] | None = None) -> int:
     if timing:
         llm.collective_rpc(rpc_install_timer)
 
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
-
     def params(max_tokens: int) -> Any:
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        return SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
 
-    def timed_generate(max_tokens: int) -> tuple[float, list[Any]]:
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params(max_tokens), use_tqdm=False)
-        return time.perf_counter() - t0, outs
+    for work in works:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
 
-    # Warm-up: the same prompts, a few tokens (prefill shapes and decode at
-    # the full batch are seen once before timing).
-    warm_s, _ = timed_generate(min(args.warmup_tokens, work.output_len))
+        def timed_generate(
+            max_tokens: int, prompts: list[Any] = prompts
+        ) -> tuple[float, list[Any]]:
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params(max_tokens), use_tqdm=False)
+            return time.perf_counter() - t0, outs
 
-    repeats: list[dict[str, Any]] = []
-    overhead: list[dict[str, Any]] = []
-    for _ in range(args.repeats):
-        if timing:
-            llm.collective_rpc(rpc_reset_timer)
-        with wl.Contention() as cont:
-            if args.workload == "W1":
-                elapsed, outs = timed_generate(work.output_len)
-                n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-                assert n_out == work.output_tokens, (n_out, work.output_tokens)
-                rec = wl.w1_metrics(elapsed, work.prompt_tokens, n_out)
-            else:
-                ttft, outs1 = timed_generate(1)
-                if timing:
-                    llm.collective_rpc(rpc_reset_timer)
-                total, outs = timed_generate(work.output_len)
-                assert len(outs1[0].outputs[0].token_ids) == 1
-                assert len(outs[0].outputs[0].token_ids) == work.output_len
-                rec = wl.w2_metrics(ttft, total, work.output_len)
-        rec.update(cont.stats)
-        repeats.append(rec)
-        if timing:
-            steps = step_table(llm.collective_rpc(rpc_collect_timer)[0])
-            overhead.append(decode_overhead(steps))
+        # Warm-up: the same prompts, a few tokens (prefill shapes and decode
+        # at the full batch are seen once before timing).
+        warm_s, _ = timed_generate(min(args.warmup_tokens, work.output_len))
 
-    profile_text = None
-    if args.profile:
-        llm.collective_rpc(rpc_profile_start, args=(args.profile,))
-        prof_s, _ = timed_generate(work.output_len)
-        profile_text = f"# {args.label} {args.workload} profile={args.profile}, generate took {prof_s:.3f} s\n"
-        profile_text += llm.collective_rpc(rpc_profile_stop)[0]
+        repeats: list[dict[str, Any]] = []
+        overhead: list[dict[str, Any]] = []
+        for _ in range(args.repeats):
+            if timing:
+                llm.collective_rpc(rpc_reset_timer)
+            with wl.Contention() as cont:
+                if work.name == "W1":
+                    elapsed, outs = timed_generate(work.output_len)
+                    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+                    assert n_out == work.output_tokens, (n_out, work.output_tokens)
+                    rec = wl.w1_metrics(elapsed, work.prompt_tokens, n_out)
+                else:
+                    ttft, outs1 = timed_generate(1)
+                    if timing:
+                        llm.collective_rpc(rpc_reset_timer)
+                    total, outs = timed_generate(work.output_len)
+                    assert len(outs1[0].outputs[0].token_ids) == 1
+                    assert len(outs[0].outputs[0].token_ids) == work.output_len
+                    rec = wl.w2_metrics(ttft, total, work.output_len)
+            rec.update(cont.stats)
+            repeats.append(rec)
+            if timing:
+                steps = step_table(llm.collective_rpc(rpc_collect_timer)[0])
+                overhead.append(decode_overhead(steps))
 
-    result = dict(
-        system=args.label,
-        runner="run_vllm.py",
-        workload=args.workload,
-        model=args.model,
-        dtype=args.dtype,
-        num_requests=len(work.prompts),
-        prompt_tokens=work.prompt_tokens,
-        output_len=work.output_len,
-        prompts_digest=work.digest(),
-        engine_kwargs=engine_kwargs,
-        env={k: v for k, v in os.environ.items()
-             if k.startswith(("VLLM_", "OMP_", "KMP_", "MKL_")) and "KEY" not in k and "TOKEN" not in k},
-        versions=versions(),
-        facts=facts,
-        startup_s=startup_s,
-        warmup_s=warm_s,
-        repeats=repeats,
-        decode_overhead=overhead,
-    )
-    out = Path(args.json_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    if profile_text:
-        Path(str(out) + ".profile.txt").write_text(profile_text)
-    summary = {k: round(v, 4) if isinstance(v, float) else v for k, v in repeats[-1].items()}
-    print(f"[run_vllm] {args.label} {args.workload}: {summary}  (startup {startup_s:.1f} s)", flush=True)
+        profile_text = None
+        if args.profile:
+            llm.collective_rpc(rpc_profile_start, args=(args.profile,))
+            prof_s, _ = timed_generate(work.output_len)
+            profile_text = (
+                f"# {args.label} {work.name} profile={args.profile}, "
+                f"generate took {prof_s:.3f} s\n"
+            )
+            profile_text += llm.collective_rpc(rpc_profile_stop)[0]
+
+        result = dict(
+            system=args.label,
+            runner="run_vllm.py",
+            workload=work.name,
+            model=args.model,
+            dtype=args.dtype,
+            num_requests=len(work.prompts),
+            prompt_tokens=work.prompt_tokens,
+            output_len=work.output_len,
+            prompts_digest=work.digest(),
+            engine_kwargs=engine_kwargs,
+            env={
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith(("VLLM_", "OMP_", "KMP_", "MKL_"))
+                and "KEY" not in k
+                and "TOKEN" not in k
+            },
+            versions=versions(),
+            facts=facts,
+            startup_s=startup_s,
+            warmup_s=warm_s,
+            repeats=repeats,
+            decode_overhead=overhead,
+        )
+        out = Path(args.json_out.replace("{workload}", work.name))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        if profile_text:
+            Path(str(out) + ".profile.txt").write_text(profile_text)
+        summary = {
+            k: round(v, 4) if isinstance(v, float) else v
+            for k, v in repeats[-1].items()
+        }
+        print(
+            f"[run_vllm] {args.label} {work.name}: {summary}  (startup {startup_s:.1f} s)",
+            flush=True,
+        )
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:

@@ -87,7 +87,9 @@ def special_ids(tokenizer: Any) -> set[int]:
 
 def allowed_ids(tokenizer: Any) -> np.ndarray:
     special = special_ids(tokenizer)
-    return np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
+    return np.array(
+        [i for i in range(len(tokenizer)) if i not in special], dtype=np.int64
+    )
 
 
 def load_tokenizer(model: str) -> Any:
@@ -108,20 +110,33 @@ def w1(
     lengths = rng.integers(min_len, max_len + 1, num_requests)
     prompts = [allowed[rng.integers(0, len(allowed), int(n))].tolist() for n in lengths]
     return Workload(
-        "W1", prompts, output_len,
-        meta=dict(seed=W1_SEED, num_requests=num_requests, min_len=min_len, max_len=max_len),
+        "W1",
+        prompts,
+        output_len,
+        meta=dict(
+            seed=W1_SEED, num_requests=num_requests, min_len=min_len, max_len=max_len
+        ),
     )
 
 
-def w2(tokenizer: Any, prompt_len: int = W2_PROMPT_LEN, output_len: int = W2_OUTPUT_LEN) -> Workload:
+def w2(
+    tokenizer: Any, prompt_len: int = W2_PROMPT_LEN, output_len: int = W2_OUTPUT_LEN
+) -> Workload:
     rng = np.random.default_rng(W2_SEED)
     allowed = allowed_ids(tokenizer)
     prompts = [allowed[rng.integers(0, len(allowed), prompt_len)].tolist()]
-    return Workload("W2", prompts, output_len, meta=dict(seed=W2_SEED, prompt_len=prompt_len))
+    return Workload(
+        "W2", prompts, output_len, meta=dict(seed=W2_SEED, prompt_len=prompt_len)
+    )
 
 
-def build(name: str, model: str, num_requests: int | None = None,
-          output_len: int | None = None, prompt_len: int | None = None) -> Workload:
+def build(
+    name: str,
+    model: str,
+    num_requests: int | None = None,
+    output_len: int | None = None,
+    prompt_len: int | None = None,
+) -> Workload:
     tok = load_tokenizer(model)
     if name == "W1":
         kw: dict[str, Any] = {}
@@ -147,15 +162,23 @@ def prompts_digest(prompts: list[list[int]]) -> str:
 def w2_metrics(ttft_s: float, total_s: float, output_len: int) -> dict[str, float]:
     """TTFT / TPOT from the two W2 generate calls (see module doc)."""
     tpot = (total_s - ttft_s) / max(output_len - 1, 1)
-    return dict(ttft_s=ttft_s, total_s=total_s, tpot_s=tpot,
-                decode_tokens_per_s=(1.0 / tpot) if tpot > 0 else float("nan"),
-                tokens_per_s=output_len / total_s)
+    return dict(
+        ttft_s=ttft_s,
+        total_s=total_s,
+        tpot_s=tpot,
+        decode_tokens_per_s=(1.0 / tpot) if tpot > 0 else float("nan"),
+        tokens_per_s=output_len / total_s,
+    )
 
 
-def w1_metrics(elapsed_s: float, prompt_tokens: int, output_tokens: int) -> dict[str, float]:
-    return dict(elapsed_s=elapsed_s,
-                output_tokens_per_s=output_tokens / elapsed_s,
-                total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed_s)
+def w1_metrics(
+    elapsed_s: float, prompt_tokens: int, output_tokens: int
+) -> dict[str, float]:
+    return dict(
+        elapsed_s=elapsed_s,
+        output_tokens_per_s=output_tokens / elapsed_s,
+        total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed_s,
+    )
 
 
 def median(xs: list[float]) -> float:
@@ -186,7 +209,7 @@ def cpu_pressure_us() -> int | None:
 class Contention:
     """Context manager recording load average and CPU pressure over a block."""
 
-    def __enter__(self) -> "Contention":
+    def __enter__(self) -> Contention:
         import os
         import time
 

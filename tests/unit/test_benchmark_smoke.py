@@ -1,0 +1,150 @@
+"""Smoke test of the benchmark harness (benchmarks/) on the tiny random Llama.
+
+The plugin runner (run_vllm.py, plugin only: the peer venv is never created
+here) runs tiny W1 and W2 on one engine, and the HF runner runs both
+workloads, concurrently with it to stay well under a minute. Every JSON must
+hold positive numbers, the plugin's platform must really be serving, and
+all runners must have seen the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+
+def _env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_BR_", "VLLM_CPU_"))
+    }
+    env.update(
+        VLLM_BR_DEVICE="cpu",
+        VLLM_BR_CPU_MEMORY_GIB="1",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _positive(d: dict, keys: list[str]) -> None:
+    for k in keys:
+        assert isinstance(d[k], (int, float)) and d[k] > 0, (k, d[k])
+
+
+def test_benchmark_runners_tiny(tiny_llama_dir, tmp_path):
+    model = str(tiny_llama_dir)
+    small = ["--num-requests", "4", "--output-len", "4"]
+    vllm_cmd = [
+        sys.executable,
+        str(BENCH / "run_vllm.py"),
+        "--model",
+        model,
+        "--workload",
+        "W1,W2",
+        "--label",
+        "plugin",
+        *small,
+        "--json-out",
+        str(tmp_path / "plugin-{workload}.json"),
+    ]
+    hf_cmds = [
+        [
+            sys.executable,
+            str(BENCH / "run_hf.py"),
+            "--model",
+            model,
+            "--workload",
+            "W1",
+            *small,
+            "--batch-sizes",
+            "1,4",
+            "--tune-requests",
+            "2",
+            "--json-out",
+            str(tmp_path / "hf-W1.json"),
+        ],
+        [
+            sys.executable,
+            str(BENCH / "run_hf.py"),
+            "--model",
+            model,
+            "--workload",
+            "W2",
+            "--output-len",
+            "4",
+            "--json-out",
+            str(tmp_path / "hf-W2.json"),
+        ],
+    ]
+    env = _env()
+    procs = [
+        subprocess.Popen(
+            vllm_cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    ]
+    for cmd in hf_cmds:  # HF is quick: run it while the engine starts
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    for p in procs:
+        out, _ = p.communicate(timeout=150)
+        assert p.returncode == 0, out[-3000:]
+
+    digests = {"W1": set(), "W2": set()}
+    for system in ("plugin", "hf"):
+        w1 = json.loads((tmp_path / f"{system}-W1.json").read_text())
+        w2 = json.loads((tmp_path / f"{system}-W2.json").read_text())
+        assert w1["workload"] == "W1" and w2["workload"] == "W2"
+        assert (
+            w1["num_requests"] == 4 and w1["output_len"] == 4 and w2["output_len"] == 4
+        )
+        assert w2["num_requests"] == 1 and w2["prompt_tokens"] == 64
+        _positive(
+            w1["repeats"][0], ["elapsed_s", "output_tokens_per_s", "total_tokens_per_s"]
+        )
+        assert (
+            w1["repeats"][0]["total_tokens_per_s"]
+            > w1["repeats"][0]["output_tokens_per_s"]
+        )
+        _positive(
+            w2["repeats"][0], ["ttft_s", "total_s", "tpot_s", "decode_tokens_per_s"]
+        )
+        digests["W1"].add(w1["prompts_digest"])
+        digests["W2"].add(w2["prompts_digest"])
+
+    plugin_w1 = json.loads((tmp_path / "plugin-W1.json").read_text())
+    plugin_w2 = json.loads((tmp_path / "plugin-W2.json").read_text())
+    assert plugin_w1["facts"]["platform"] == "SUPAPlatform"
+    assert plugin_w1["facts"]["model_runner"] == "SUPAModelRunner"
+    assert plugin_w1["engine_kwargs"]["dtype"] == "bfloat16"
+    # The step timer saw pure decode steps (batch 4 in W1, batch 1 in W2).
+    for res, batch in ((plugin_w1, 4), (plugin_w2, 1)):
+        d = res["decode_overhead"][0]
+        assert d["batch"] == batch
+        _positive(d, ["steps", "step_wall_s", "model_s", "forward_s"])
+        assert d["step_wall_s"] >= d["model_s"] * 0.5
+    hf_w1 = json.loads((tmp_path / "hf-W1.json").read_text())
+    assert hf_w1["batch_size"] in (1, 4)
+    assert [t["batch_size"] for t in hf_w1["tuning"]] == [1, 4]
+    # All systems were given the same prompts.
+    assert len(digests["W1"]) == 1 and len(digests["W2"]) == 1
