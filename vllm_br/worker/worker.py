@@ -81,9 +81,14 @@ class SUPAWorker(Worker):
         super().load_model(load_dummy_weights=load_dummy_weights)
         # vLLM drops torch to one intra-op thread for serving, since on a card
         # host ops only schedule work. In emulation the host *is* the device:
-        # give each worker its share of the cores, unless OMP_NUM_THREADS is set.
+        # give each worker its share of the cores, unless the user set OMP_NUM_THREADS.
         backend = get_backend()
-        if backend.name == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # vLLM itself exports OMP_NUM_THREADS to spawned workers (and marks it
+        # with VLLM_OMP_NUM_THREADS_SET_BY_VLLM=1); only a user's value counts.
+        user_set = "OMP_NUM_THREADS" in os.environ and (
+            os.environ.get("VLLM_OMP_NUM_THREADS_SET_BY_VLLM") != "1"
+        )
+        if backend.name == "cpu" and not user_set:
             torch.set_num_threads(backend.host_threads(self.parallel_config.world_size))
 
     def _make_model_runner(self) -> SUPAModelRunner:
