@@ -117,15 +117,7 @@ class SUPADeepseekScalingRotaryEmbedding(DeepseekScalingRotaryEmbedding):
         assert key is not None
         if offsets is not None:
             positions = positions + offsets
-        return get_op("rotary_embedding")(
-            positions,
-            query,
-            key,
-            self.head_size,
-            self.rotary_dim,
-            self._match_cos_sin_cache_dtype(query),
-            self.is_neox_style,
-        )
+        return _RotaryOOT.forward_oot(self, positions, query, key)
 
 
 #: (vLLM class, our class); variants whose forward must be RotaryEmbedding's
