@@ -23,6 +23,16 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3MoeForCausalLM folder (float32, vocab 512, 3 layers
+    of which layer 1 is dense, 8 experts, top-2), built once per session.
+    Shared: do not modify it."""
+    from tests.fixtures.tiny_moe import build_tiny_qwen3_moe
+
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The plugin's default model (SmolLM2-135M-Instruct), prepared on first
     use (~30 s and a 93 MB download). scripts/setup.sh prepares it, so a
