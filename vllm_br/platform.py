@@ -206,6 +206,11 @@ class SUPAPlatform(Platform):
         return False
 
     @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        # SCCL on a card, gloo on the cpu backend; applies the allreduce strategy.
+        return "vllm_br.distributed.communicator.SUPACommunicator"
+
+    @classmethod
     def opaque_attention_op(cls) -> bool:
         return True
 

@@ -1,0 +1,2 @@
+"""Multi-device support: the SUPA device communicator, the allreduce strategy
+and the supernode TP group layout."""
