@@ -135,7 +135,9 @@ class SUPAPlatform(Platform):
                 and name not in plugin_vars
             ):
                 if hard_fail:
-                    raise ValueError(f"Unknown vLLM environment variable detected: {name}")
+                    raise ValueError(
+                        f"Unknown vLLM environment variable detected: {name}"
+                    )
                 logger.warning("Unknown vLLM environment variable detected: %s", name)
 
     @classmethod
@@ -192,10 +194,39 @@ class SUPAPlatform(Platform):
         vllm_config.cache_config.block_size = SUPA_BLOCK_SIZE
 
     @classmethod
+    def apply_config_platform_defaults(cls, vllm_config: VllmConfig) -> None:
+        """The measured default compilation and graph modes of this backend,
+        where the user chose none (vLLM resolves its own defaults after)."""
+        from vllm_br.compilation.defaults import apply_graph_defaults
+
+        apply_graph_defaults(vllm_config, cls.backend_name)
+
+    @classmethod
     def support_static_graph_mode(cls) -> bool:
-        # SUPA graphs arrive with SUPAGraphWrapper; until then vLLM forces
-        # cudagraph_mode NONE for this platform.
-        return False
+        return True
+
+    @classmethod
+    def get_static_graph_wrapper_cls(cls) -> str:
+        from vllm_br.compilation import GRAPH_WRAPPER_CLS
+
+        return GRAPH_WRAPPER_CLS
+
+    @classmethod
+    def get_compile_backend(cls) -> str:
+        from vllm_br.compilation import COMPILER_CLS
+
+        return COMPILER_CLS
+
+    @classmethod
+    def get_pass_manager_cls(cls) -> str:
+        from vllm_br.compilation import PASS_MANAGER_CLS
+
+        return PASS_MANAGER_CLS
+
+    @classmethod
+    def graph_pool_handle(cls) -> object:
+        """A new graph memory pool (vLLM keeps one, shared by all captures)."""
+        return device.get_backend().graph_pool_handle()
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
@@ -278,18 +309,31 @@ def _apply_model_policy(vllm_config: VllmConfig) -> None:
 
 
 def _apply_compilation_policy(vllm_config: VllmConfig) -> None:
-    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.config import CompilationMode
 
     compilation_config = vllm_config.compilation_config
-    if compilation_config.mode != CompilationMode.NONE:
-        logger.info_once(
-            "SUPA runs the model eagerly (compilation mode NONE) until the SUPA "
-            "graph and compile backends land."
-        )
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.enforce_eager:
+        # --enforce-eager: no graphs (vLLM) and no compilation (here).
         compilation_config.mode = CompilationMode.NONE
-    compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-    compilation_config.cudagraph_capture_sizes = []
-    # The plugin's kernels run through CustomOp.forward_oot: keep them enabled.
+    if compilation_config.mode not in (
+        CompilationMode.NONE,
+        CompilationMode.VLLM_COMPILE,
+    ):
+        raise SUPAConfigError(
+            f"Compilation mode {compilation_config.mode.name} is not supported on "
+            "SUPA; use -cc.mode=VLLM_COMPILE (piecewise compile) or --enforce-eager."
+        )
+    # vLLM's fusion passes rewrite graphs into CUDA/ROCm fused kernels
+    # (quant, allreduce+norm, rope+KV cache) that SUPA does not have, and
+    # their pass classes are only imported on those platforms; inductor's own
+    # fusion still runs.
+    pass_config = compilation_config.pass_config
+    for name in type(pass_config).__dataclass_fields__:
+        if name.startswith("fuse_") or name.endswith("_fusion"):
+            setattr(pass_config, name, False)
+    # The plugin's kernels run through CustomOp.forward_oot: keep them enabled
+    # (compiled pieces trace their reference code, which inductor fuses).
     if "all" not in compilation_config.custom_ops:
         compilation_config.custom_ops = ["all"] + [
             op for op in compilation_config.custom_ops if op.startswith("-")

@@ -154,11 +154,14 @@ class SUPAFlashAttentionMetadata(AttentionMetadata):
 class SUPAFlashAttentionMetadataBuilder(
     AttentionMetadataBuilder[SUPAFlashAttentionMetadata]
 ):
-    # Graphs are a later issue: the ops size their buffers from host-side
-    # lengths each step, so a captured graph would replay stale shapes. With
-    # NEVER, vLLM downgrades FULL modes to PIECEWISE (attention runs eagerly
-    # between captured pieces) or NONE.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Uniform single-token decode batches can be captured whole: their plan is
+    # the same for every batch of a padded size once its gather width is the
+    # block table's (build_for_cudagraph_capture). Mixed batches cannot: their
+    # host-built prefill plan depends on each batch's query lengths, so vLLM
+    # runs attention eagerly between PIECEWISE pieces for them.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
     def __init__(
         self,
@@ -179,6 +182,28 @@ class SUPAFlashAttentionMetadataBuilder(
         kv_cache_spec: KVCacheSpec,
     ) -> AttentionCGSupport:
         return cls._cudagraph_support
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> SUPAFlashAttentionMetadata:
+        """Metadata a FULL graph keeps for every replay of its batch size.
+
+        A replay re-reads the device tensors (query_start_loc, seq_lens,
+        block table, slot mapping are views of the runner's persistent
+        buffers) but keeps every host-side value, so the plan must hold for
+        any decode batch of this size: gather the whole block table, and
+        build masks from seq_lens on each replay instead of sharing them."""
+        cm = common_attn_metadata
+        width = cm.block_table_tensor.shape[1] * self.kv_cache_spec.block_size
+        plan = make_paged_attention_plan(
+            cm.query_start_loc_cpu,
+            None,
+            max_seq_len=max(width, 1),
+            device=cm.query_start_loc.device,
+            split_decodes=True,
+        )
+        plan.cache_masks = False
+        return self._metadata(cm, plan, max_seq_len=width)
 
     def build(
         self,
@@ -202,10 +227,15 @@ class SUPAFlashAttentionMetadataBuilder(
             device=cm.query_start_loc.device,
             split_decodes=not self.is_encoder_only,
         )
+        return self._metadata(cm, plan, max_seq_len=cm.max_seq_len)
+
+    def _metadata(
+        self, cm: CommonAttentionMetadata, plan: PagedAttentionPlan, max_seq_len: int
+    ) -> SUPAFlashAttentionMetadata:
         return SUPAFlashAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             max_query_len=cm.max_query_len,
-            max_seq_len=cm.max_seq_len,
+            max_seq_len=max_seq_len,
             query_start_loc=cm.query_start_loc,
             seq_lens=cm.seq_lens,
             block_table=cm.block_table_tensor,

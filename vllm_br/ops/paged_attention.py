@@ -174,6 +174,11 @@ class PagedAttentionPlan:
     prefill_max_query_len: int
     prefill_max_seq_len: int
 
+    cache_masks: bool = True
+    """Share positions and masks between layers. False for a plan captured
+    into a graph: replay re-reads ``seq_lens``, so masks must be rebuilt from
+    it rather than kept from capture time."""
+
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -494,18 +499,19 @@ def paged_attention(
         """K/V of the requests through their block tables and the attention
         mask; positions and mask are computed once per step (kept in the plan
         and shared by all layers) unless causality varies per request."""
-        cached = plan._cache.get(key)
+        share = plan.cache_masks and not dyn_causal
+        cached = plan._cache.get(key) if share else None
         if cached is None:
             cached = positions()
-            if not dyn_causal:
+            if share:
                 plan._cache[key] = cached
         qpos, start = cached
         k, v, kpos = _gather_kv(kv_cache, bt, start, nb, head_size)
         mkey = key + ("mask",)
-        m = plan._cache.get(mkey)
+        m = plan._cache.get(mkey) if share else None
         if m is None:
             m = _mask(kpos, qpos, sl, c, window)
-            if not dyn_causal:
+            if share:
                 plan._cache[mkey] = m
         return k, v, m
 

@@ -58,6 +58,15 @@ def get_op(name: str) -> Callable[..., Any]:
     return fn
 
 
+def resolve_all() -> None:
+    """Resolve every op now: torch.compile traces ``get_op`` calls, and a
+    first-use resolution (imports, logging) inside a traced forward would
+    break the graph. The worker calls this before the model first runs."""
+    _import_op_modules()
+    for name in list(_REFERENCE):
+        get_op(name)
+
+
 def registered_ops() -> list[str]:
     return sorted(_REFERENCE)
 

@@ -34,12 +34,15 @@ def compute_slot_mapping(
     if num_tokens > 0:
         token_idx = torch.arange(num_tokens, device=positions.device, dtype=torch.int64)
         req_idx = (
-            torch.searchsorted(query_start_loc.to(torch.int64), token_idx, right=True) - 1
+            torch.searchsorted(query_start_loc.to(torch.int64), token_idx, right=True)
+            - 1
         )
         pos = positions[:num_tokens].to(torch.int64)
         block_idx = pos // KV_CACHE_BLOCK_SIZE
         blocks = block_table[req_idx, block_idx].to(torch.int64)
-        slot_mapping[:num_tokens] = blocks * KV_CACHE_BLOCK_SIZE + pos % KV_CACHE_BLOCK_SIZE
+        slot_mapping[:num_tokens] = (
+            blocks * KV_CACHE_BLOCK_SIZE + pos % KV_CACHE_BLOCK_SIZE
+        )
     slot_mapping[num_tokens:max_num_tokens] = PAD_ID
 
 

@@ -10,11 +10,14 @@ are the few places where the GPU runner assumes CUDA semantics.
 from __future__ import annotations
 
 import torch
-from vllm.config import VllmConfig
+from vllm.compilation.cuda_graph import CUDAGraphWrapper
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_br import compat
+from vllm_br.compilation.capture import capture_graphs, estimate_graph_memory
+from vllm_br.compilation.graph_wrapper import SUPAGraphWrapper
 from vllm_br.device import DeviceBackend, get_backend
 from vllm_br.logger import init_logger
 
@@ -47,10 +50,27 @@ class SUPAModelRunner(GPUModelRunner):
         self.backend = get_backend()
         install_stream_aliases(self.backend)
         super().__init__(vllm_config, device)
-        # Graphs arrive with SUPAGraphWrapper; until then the runner is eager.
-        self.use_cuda_graph = False
         if self.backend.name == "cpu":
             self._share_host_and_device_buffers()
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        # vLLM's runner wraps the model for FULL graphs with its hard-coded
+        # CUDAGraphWrapper; on SUPA the same wrapper position takes
+        # SUPAGraphWrapper (PIECEWISE pieces get it from the platform).
+        if type(self.model) is CUDAGraphWrapper:
+            self.model = SUPAGraphWrapper(
+                self.model.runnable, self.vllm_config, runtime_mode=CUDAGraphMode.FULL
+            )
+
+    def capture_model(self) -> int:
+        """Capture every graph vLLM's dispatcher plans; returns graph bytes.
+        (The GPU runner's version enters CUDA-only capture contexts.)"""
+        return capture_graphs(self)
+
+    def profile_graph_memory(self) -> int:
+        """Bytes the graphs will hold, measured before the KV cache is sized."""
+        return estimate_graph_memory(self)
 
     def _share_host_and_device_buffers(self) -> None:
         """In emulation host and device memory are the same: let each
@@ -61,7 +81,9 @@ class SUPAModelRunner(GPUModelRunner):
                 value.gpu = value.cpu
         for name, value in vars(self.input_batch).items():
             if name.endswith("_cpu_tensor") and isinstance(value, torch.Tensor):
-                if isinstance(getattr(self.input_batch, name[:-11], None), torch.Tensor):
+                if isinstance(
+                    getattr(self.input_batch, name[:-11], None), torch.Tensor
+                ):
                     setattr(self.input_batch, name[:-11], value)
         for block_table in self.input_batch.block_table.block_tables:
             for value in vars(block_table).values():

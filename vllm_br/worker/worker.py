@@ -12,18 +12,20 @@ import os
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from vllm.config import CUDAGraphMode, set_current_vllm_config
+from vllm.config import CompilationMode, CUDAGraphMode, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.platforms import current_platform
 from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.mem_utils import format_gib
 from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_br.device import get_backend
 from vllm_br.errors import SUPAConfigError
 from vllm_br.logger import init_logger
+from vllm_br.ops.registry import resolve_all
 from vllm_br.worker.model_runner import SUPAModelRunner, install_stream_aliases
 
 logger = init_logger(__name__)
@@ -47,6 +49,7 @@ class SUPAWorker(Worker):
             )
         backend.set_device(index)
         self.device = backend.torch_device(index)
+        resolve_all()
         current_platform.check_if_supports_dtype(self.model_config.dtype)
 
         init_worker_distributed_environment(
@@ -109,6 +112,10 @@ class SUPAWorker(Worker):
         backend.synchronize()
         gc.collect()
         free, total = backend.mem_get_info()
+        in_use = max(backend.max_memory_allocated(), total - free)
+        # Graphs captured after the KV cache is allocated must fit beside it.
+        graph_bytes = self.model_runner.profile_graph_memory()
+        self.graph_memory_estimate = graph_bytes
         if explicit:
             if explicit > free:
                 raise SUPAConfigError(
@@ -116,37 +123,59 @@ class SUPAWorker(Worker):
                     f"{free} bytes free on the SUPA device; lower it."
                 )
             self.available_kv_cache_memory_bytes = explicit
-            logger.info("KV cache: %s GiB as set by --kv-cache-memory-bytes.", format_gib(explicit))
+            logger.info(
+                "KV cache: %s GiB as set by --kv-cache-memory-bytes.",
+                format_gib(explicit),
+            )
             return explicit
         # Everything in use on the device after the profile run, at its peak
-        # (at least total - free, so the result never exceeds what is free).
-        in_use = max(backend.max_memory_allocated(), total - free)
-        available = self.requested_memory - in_use
+        # (at least total - free, so the result never exceeds what is free),
+        # plus the graphs to come.
+        available = self.requested_memory - in_use - graph_bytes
         if available <= 0:
             raise SUPAConfigError(
                 f"--gpu-memory-utilization {self.cache_config.gpu_memory_utilization} "
                 f"leaves no memory for the KV cache: the model and its activations "
                 f"use {format_gib(in_use)} GiB of the device's {format_gib(total)} "
                 "GiB; raise --gpu-memory-utilization, use a smaller model"
-                + (", or raise VLLM_BR_CPU_MEMORY_GIB." if backend.name == "cpu" else ".")
+                + (
+                    ", or raise VLLM_BR_CPU_MEMORY_GIB."
+                    if backend.name == "cpu"
+                    else "."
+                )
             )
         self.available_kv_cache_memory_bytes = available
         logger.info(
             "KV cache: %s GiB available (device %s GiB, requested %s GiB, weights "
-            "and peak activations %s GiB).",
+            "and peak activations %s GiB, graphs %s GiB).",
             format_gib(available),
             format_gib(total),
             format_gib(self.requested_memory),
             format_gib(in_use),
+            format_gib(graph_bytes),
         )
         return int(available)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        """Warm up the sampler at its largest shape, then reset the seed.
+        """Compile (VLLM_COMPILE), capture the SUPA graphs, warm up the sampler
+        at its largest shape, then reset the seed.
 
-        The GPU worker's version also runs Triton/CUDA kernel warm-ups and CUDA
-        graph capture, which do not exist on SUPA (graphs come with
-        SUPAGraphWrapper)."""
+        The GPU worker's version also runs Triton/CUDA kernel warm-ups, which
+        do not exist on SUPA, and captures inside CUDA-only contexts."""
+        for size in self._compile_warmup_sizes():
+            logger.info("Compiling and warming up the model for %d tokens.", size)
+            self.model_runner._dummy_run(size, skip_eplb=True, remove_lora=False)
+        graph_bytes = 0
+        if not self.model_config.enforce_eager:
+            graph_bytes = self.model_runner.capture_model()
+        estimate = getattr(self, "graph_memory_estimate", 0)
+        if graph_bytes or estimate:
+            logger.info(
+                "SUPA graph memory: %s GiB captured, %s GiB estimated before the "
+                "KV cache was sized.",
+                format_gib(graph_bytes),
+                format_gib(estimate),
+            )
         if get_pp_group().is_last_rank:
             max_num_reqs = min(
                 self.scheduler_config.max_num_seqs,
@@ -161,13 +190,36 @@ class SUPAWorker(Worker):
                 self.model_runner._dummy_pooler_run(hidden_states)
             else:
                 self.model_runner._dummy_sampler_run(hidden_states=last_hidden_states)
-        set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
+        set_random_seed(
+            self.model_config.seed, self.parallel_config.data_parallel_index
+        )
         # Weights and KV cache are static from here on: keep them out of GC scans.
         freeze_gc_heap()
         return CompilationTimes(
             language_model=self.compilation_config.compilation_time,
             encoder=self.compilation_config.encoder_compilation_time,
         )
+
+    def _compile_warmup_sizes(self) -> list[int]:
+        """Batch sizes to compile ahead of serving, largest first (the GPU
+        worker's rule): compile_sizes not captured as graphs, plus the end of
+        every compile range no such size or capture size falls into."""
+        cc = self.compilation_config
+        if cc.mode != CompilationMode.VLLM_COMPILE or not has_compiled_submodule(
+            self.model_runner.get_model()
+        ):
+            return []
+        captured = (
+            list(cc.cudagraph_capture_sizes or [])
+            if cc.cudagraph_mode != CUDAGraphMode.NONE
+            else []
+        )
+        sizes = [s for s in (cc.compile_sizes or []) if s not in captured]
+        covered = set(captured) | {s for s in sizes if isinstance(s, int)}
+        for compile_range in cc.get_compile_ranges():
+            if not any(s in compile_range for s in covered):
+                sizes.append(compile_range.end)
+        return sorted(sizes, reverse=True)
 
     def sleep(self, level: int = 1) -> None:
         raise SUPAConfigError("Sleep mode is not supported on SUPA; serve without it.")

@@ -1,0 +1,169 @@
+"""Every SUPA graph mode gives eager's greedy output, with captures reused.
+
+Models: SmolLM2-135M-Instruct (the default model) and the tiny random
+Qwen3-MoE, in float32 (identical tokens required), plus the MoE in bfloat16
+under vLLM's ``check_logprobs_close`` rule. Capture sizes are 1, 2, 4, 8 and
+the batches served are 1 and 8 (captured sizes), 3 (padded to 4) and 11
+(above the largest: eager). Prompts of 120 and 126 tokens cross the 128-token
+block boundary while decoding, so a FULL graph replays over a longer block
+table than it was captured with.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures.engine import (
+    check_logprobs_close,
+    llm_engine,
+    token_ids,
+    vllm_logprobs,
+)
+from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
+
+pytestmark = pytest.mark.e2e
+
+CAPTURE_SIZES = [1, 2, 4, 8]
+BATCHES = [1, 3, 8, 11]
+LENGTHS = [120, 5, 40, 300, 17, 60, 9, 126, 33, 70, 12]
+MAX_TOKENS = 16
+# A small token budget keeps the profile run and the compile quick.
+ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)
+
+# mode -> (compilation mode, cudagraph mode asked for, mode the runner
+# serves, runtime modes that hold captured graphs)
+MODES = {
+    "PIECEWISE": ("VLLM_COMPILE", "PIECEWISE", "PIECEWISE", {"PIECEWISE"}),
+    "FULL_AND_PIECEWISE": (
+        "VLLM_COMPILE",
+        "FULL_AND_PIECEWISE",
+        "FULL_AND_PIECEWISE",
+        {"FULL", "PIECEWISE"},
+    ),
+    # SUPA attention captures uniform decode batches only, so vLLM's runner
+    # serves FULL as FULL_AND_PIECEWISE; the pieces were compiled for FULL
+    # (unwrapped), so mixed batches run compiled but without graphs, as on CUDA.
+    "FULL": ("VLLM_COMPILE", "FULL", "FULL_AND_PIECEWISE", {"FULL"}),
+    # Graphs without compilation: decode batches captured whole.
+    "FULL_DECODE_ONLY": ("NONE", "FULL_DECODE_ONLY", "FULL_DECODE_ONLY", {"FULL"}),
+}
+
+
+def graph_facts(worker) -> dict:
+    """Runs in the worker (collective_rpc): the graphs it holds."""
+    from vllm.compilation.counter import compilation_counter
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    from vllm.platforms import current_platform
+
+    worker = getattr(worker, "worker", worker)
+    wrappers = list(CUDAGraphWrapper._all_instances)
+    graphs = [
+        e.cudagraph
+        for w in wrappers
+        for e in w.concrete_cudagraph_entries.values()
+        if e.cudagraph is not None
+    ]
+    pool = current_platform.get_global_graph_pool()
+    cc = worker.model_runner.compilation_config
+    return {
+        "served_mode": cc.cudagraph_mode.name,
+        "compile_mode": cc.mode.name,
+        "wrapper_types": sorted({type(w).__name__ for w in wrappers}),
+        "captured_modes": sorted(
+            {w.runtime_mode.name for w in wrappers if w.concrete_cudagraph_entries}
+        ),
+        "captured": compilation_counter.num_cudagraph_captured,
+        "graphs": len(graphs),
+        "replays": sum(g.replays for g in graphs),
+        "one_pool": all(g.pool is pool for g in graphs)
+        and len(pool.graphs) == len(graphs),
+        "inductor_compiles": compilation_counter.num_inductor_compiles,
+    }
+
+
+def _params(logprobs: int | None = None):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs
+    )
+
+
+def _serve_batches(llm, prompts, logprobs: int | None = None) -> dict[int, list]:
+    from vllm.inputs import TokensPrompt
+
+    out = {}
+    for n in BATCHES:
+        res = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts[:n]],
+            _params(logprobs),
+            use_tqdm=False,
+        )
+        out[n] = vllm_logprobs(res) if logprobs else token_ids(res)
+    return out
+
+
+@pytest.fixture(scope="module", params=["smollm2", "tiny_qwen3_moe"])
+def model(request):
+    name = request.param
+    model_dir = request.getfixturevalue(f"{name}_dir")
+    if name == "smollm2":
+        from transformers import AutoTokenizer
+
+        prompts = prompt_token_ids_of_lengths(
+            AutoTokenizer.from_pretrained(model_dir), LENGTHS
+        )
+    else:
+        prompts = prompt_token_ids_of_lengths(512, LENGTHS)
+    with llm_engine(model_dir, dtype="float32", enforce_eager=True, **ENGINE) as llm:
+        eager = _serve_batches(llm, prompts)
+    return name, model_dir, prompts, eager
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_graph_mode_matches_eager_float32(model, mode):
+    name, model_dir, prompts, eager = model
+    compile_mode, asked, served, captured_modes = MODES[mode]
+    config = {
+        "mode": compile_mode,
+        "cudagraph_mode": asked,
+        "cudagraph_capture_sizes": CAPTURE_SIZES,
+    }
+    with llm_engine(
+        model_dir, dtype="float32", compilation_config=config, **ENGINE
+    ) as llm:
+        start = llm.collective_rpc(graph_facts)[0]
+        got = _serve_batches(llm, prompts)
+        end = llm.collective_rpc(graph_facts)[0]
+
+    for n in BATCHES:
+        assert got[n] == eager[n], f"{name} {mode}: batch {n} differs from eager"
+    assert start["served_mode"] == served
+    assert start["wrapper_types"] == ["SUPAGraphWrapper"]
+    assert set(start["captured_modes"]) == captured_modes
+    assert start["graphs"] > 0 and start["one_pool"]
+    if compile_mode == "VLLM_COMPILE":
+        assert start["inductor_compiles"] > 0  # inductor's C++ code generation
+    # Serving replayed the graphs and captured nothing new.
+    assert end["captured"] == start["captured"]
+    assert end["graphs"] == start["graphs"]
+    assert end["replays"] > start["replays"]
+
+
+def test_graphs_follow_logprobs_rule_bfloat16(tiny_qwen3_moe_dir):
+    prompts = prompt_token_ids_of_lengths(512, LENGTHS)
+    config = {
+        "mode": "VLLM_COMPILE",
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "cudagraph_capture_sizes": CAPTURE_SIZES,
+    }
+    model = tiny_qwen3_moe_dir
+    with llm_engine(model, dtype="bfloat16", enforce_eager=True, **ENGINE) as llm:
+        eager = _serve_batches(llm, prompts, logprobs=5)
+    with llm_engine(
+        model, dtype="bfloat16", compilation_config=config, **ENGINE
+    ) as llm:
+        graphs = _serve_batches(llm, prompts, logprobs=5)
+        assert llm.collective_rpc(graph_facts)[0]["replays"] > 0
+    for n in BATCHES:
+        check_logprobs_close(eager[n], graphs[n])

@@ -1,0 +1,40 @@
+"""The default compilation and graph modes of each SUPA device backend.
+
+A default applies only where the user set nothing (``-cc.mode``,
+``-cc.cudagraph_mode``, ``-O``); ``--enforce-eager`` always wins. Each default
+is the fastest correct configuration measured by
+``benchmarks/graph_modes.py`` (numbers in ``docs/graphs.md``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+#: backend -> (compilation mode name, cudagraph mode name)
+GRAPH_DEFAULTS: dict[str, tuple[str, str]] = {
+    # Emulation: an emulated graph replays the same host work as eager, so
+    # graphs cannot win; see docs/graphs.md for the measured compile modes.
+    "cpu": ("NONE", "NONE"),
+    # On a card, vLLM's own default (graphs remove per-kernel launch cost).
+    # Not measured here: no SUPA card is reachable from CI.
+    "supa": ("VLLM_COMPILE", "FULL_AND_PIECEWISE"),
+}
+
+
+def apply_graph_defaults(vllm_config: VllmConfig, backend_name: str) -> None:
+    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.config.vllm import OptimizationLevel
+
+    # An -O level other than vLLM's default O2 is the user's choice: let vLLM
+    # resolve it (an explicit -O2 cannot be told apart and gets ours).
+    if vllm_config.optimization_level != OptimizationLevel.O2:
+        return
+    mode_name, graph_name = GRAPH_DEFAULTS[backend_name]
+    cc = vllm_config.compilation_config
+    if cc.mode is None:
+        cc.mode = CompilationMode[mode_name]
+    if cc.cudagraph_mode is None:
+        cc.cudagraph_mode = CUDAGraphMode[graph_name]
