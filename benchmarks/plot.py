@@ -41,7 +41,10 @@ def main(argv: list[str]) -> int:
         labels = []
         for n in names:
             e = agg[wk][n]
-            labels.append(n.replace("[", "\n[") + (f"\nbs={e['batch_size']}" if "batch_size" in e else ""))
+            labels.append(
+                n.replace("[", "\n[")
+                + (f"\nbs={e['batch_size']}" if "batch_size" in e else "")
+            )
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(labels, fontsize=8)
         ax.set_title(title)

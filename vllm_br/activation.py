@@ -63,9 +63,13 @@ def _decide() -> str | None:
         logger.error("%s", e)
         return _active(f"SUPA platform active with an invalid setting: {e}")
     if choice in ("supa", "cpu"):
-        return _active(f"SUPA platform active on the {choice} backend (VLLM_BR_DEVICE={choice}).")
+        return _active(
+            f"SUPA platform active on the {choice} backend (VLLM_BR_DEVICE={choice})."
+        )
     if supa_present():
-        return _active("SUPA platform active on the supa backend: a Biren SUPA device was found.")
+        return _active(
+            "SUPA platform active on the supa backend: a Biren SUPA device was found."
+        )
     other = _other_vllm_platform()
     if other is not None:
         logger.info(

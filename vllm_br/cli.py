@@ -1,7 +1,7 @@
 """`vllm-br` command: what the plugin sees on this machine.
 
-    vllm-br info          platform, backend, versions, devices, topology, settings
-    vllm-br info --json   the same as JSON
+vllm-br info          platform, backend, versions, devices, topology, settings
+vllm-br info --json   the same as JSON
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def collect_info() -> dict[str, Any]:
 
     from vllm.platforms import current_platform
 
-    info["platform"] = f"{type(current_platform).__module__}.{type(current_platform).__name__}"
+    info["platform"] = (
+        f"{type(current_platform).__module__}.{type(current_platform).__name__}"
+    )
     try:
         from vllm_br.device import get_backend
 
@@ -56,7 +58,11 @@ def collect_info() -> dict[str, Any]:
     devices = []
     for i in range(backend.device_count()):
         props = backend.get_device_properties(i)
-        free, total = backend.mem_get_info(i) if i == backend.current_device() else (None, props.total_memory)
+        free, total = (
+            backend.mem_get_info(i)
+            if i == backend.current_device()
+            else (None, props.total_memory)
+        )
         devices.append(
             {
                 "index": i,
@@ -88,7 +94,11 @@ def _print_text(info: dict[str, Any]) -> None:
     if "error" in info:
         print(f"error:           {info['error']}")
     for d in info.get("devices", []):
-        free = "" if d["free_memory_bytes"] is None else f", {d['free_memory_bytes'] / gib:.1f} GiB free"
+        free = (
+            ""
+            if d["free_memory_bytes"] is None
+            else f", {d['free_memory_bytes'] / gib:.1f} GiB free"
+        )
         print(
             f"supa:{d['index']}  {d['name']}  {d['total_memory_bytes'] / gib:.1f} GiB{free}, "
             f"{d['spc_count']} SPCs, NUMA node {d['numa_node']}"
@@ -106,7 +116,9 @@ def _print_text(info: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-br", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="vllm-br", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="platform, devices, topology and settings")
     p_info.add_argument("--json", action="store_true", help="print JSON")

@@ -42,7 +42,13 @@ HAS_V0_ENGINE = False
 
 # vLLM 0.33 GPUModelRunner (Model Runner V1) builds its own streams/events
 # through these torch.cuda names; the worker aliases them to the device layer.
-CUDA_STREAM_EVENT_NAMES = ("Stream", "Event", "current_stream", "stream", "default_stream")
+CUDA_STREAM_EVENT_NAMES = (
+    "Stream",
+    "Event",
+    "current_stream",
+    "stream",
+    "default_stream",
+)
 
 # Triton kernels of vLLM 0.33 core that the runner launches on every step and
 # that need a plain-torch implementation on SUPA (no Triton for SUPA).
@@ -51,7 +57,9 @@ SLOT_MAPPING_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kerne
 
 # vLLM 0.33's ModelRegistry error for an architecture it does not know; its
 # message lists every supported architecture (thousands of characters).
-_UNKNOWN_ARCH = re.compile(r"Model architectures (\[[^\]]*\]) are not supported for now")
+_UNKNOWN_ARCH = re.compile(
+    r"Model architectures (\[[^\]]*\]) are not supported for now"
+)
 
 
 def known_vllm_user_error(err: BaseException) -> str | None:

@@ -104,65 +104,107 @@ _VARS: dict[str, EnvVar] = {
     v.name: v
     for v in [
         EnvVar(
-            "VLLM_BR_DEVICE", "auto", _choice("auto", "supa", "cpu"), "auto | supa | cpu",
+            "VLLM_BR_DEVICE",
+            "auto",
+            _choice("auto", "supa", "cpu"),
+            "auto | supa | cpu",
             "Device backend: 'supa' drives a Biren card through torch_br, 'cpu' "
             "emulates SUPA devices on the host, 'auto' picks 'supa' when a card "
             "is present and otherwise 'cpu' where no other vLLM platform serves.",
         ),
         EnvVar(
-            "SUPA_VISIBLE_DEVICES", None, _device_list, "comma-separated indices",
+            "SUPA_VISIBLE_DEVICES",
+            None,
+            _device_list,
+            "comma-separated indices",
             "Visible SUPA devices (like CUDA_VISIBLE_DEVICES); unset means all.",
         ),
         EnvVar(
-            "VLLM_BR_WEIGHT_TYPE", "NUMA", _choice("NUMA", "UMA"), "NUMA | UMA",
+            "VLLM_BR_WEIGHT_TYPE",
+            "NUMA",
+            _choice("NUMA", "UMA"),
+            "NUMA | UMA",
             "Weight storage layout: NUMA splits linear weights per die (NUMA "
             "domain) of a two-die card; UMA keeps one plain layout.",
         ),
         EnvVar(
-            "VLLM_BR_QUANT_METHOD", "INT8", _choice("INT8"), "INT8",
+            "VLLM_BR_QUANT_METHOD",
+            "INT8",
+            _choice("INT8"),
+            "INT8",
             "Quantization method used for quantized checkpoints.",
         ),
         EnvVar(
-            "VLLM_BR_USE_FUSED_ALLREDUCE", None, _int(0), "an integer >= 0",
+            "VLLM_BR_USE_FUSED_ALLREDUCE",
+            None,
+            _int(0),
+            "an integer >= 0",
             "Number of devices that use the fused allreduce; unset means "
             "auto-detected from the P2P topology, 0 disables it.",
         ),
         EnvVar(
-            "VLLM_BR_USE_FP32_ALL_REDUCE", False, _bool, "0 | 1",
+            "VLLM_BR_USE_FP32_ALL_REDUCE",
+            False,
+            _bool,
+            "0 | 1",
             "Reduce bfloat16 tensors in float32.",
         ),
         EnvVar(
-            "VLLM_BR_USE_CPU_ALL_REDUCE", False, _bool, "0 | 1",
+            "VLLM_BR_USE_CPU_ALL_REDUCE",
+            False,
+            _bool,
+            "0 | 1",
             "Run allreduce on the host as a fallback.",
         ),
         EnvVar(
-            "VLLM_BR_DEVICE_SPC_NUM", None, _int(1), "an integer >= 1",
+            "VLLM_BR_DEVICE_SPC_NUM",
+            None,
+            _int(1),
+            "an integer >= 1",
             "Compute units (SPCs) per device; unset means auto-detected. More "
             "than 16 SPCs means two dies (two NUMA domains) on one card.",
         ),
         EnvVar(
-            "VLLM_BR_STATIC_MOE_DECODER_MAX_LEN", 256, _int(1), "an integer >= 1",
+            "VLLM_BR_STATIC_MOE_DECODER_MAX_LEN",
+            256,
+            _int(1),
+            "an integer >= 1",
             "Largest decode batch (tokens) that takes the static-shape MoE path.",
         ),
         EnvVar(
-            "VLLM_BR_ENABLE_TP_GROUPS_IN_SUPERNODE", False, _bool, "0 | 1",
+            "VLLM_BR_ENABLE_TP_GROUPS_IN_SUPERNODE",
+            False,
+            _bool,
+            "0 | 1",
             "Form tensor-parallel groups from ranks inside one supernode.",
         ),
         EnvVar(
-            "VLLM_SCCL_SO_PATH", DEFAULT_SCCL_SO_PATH, _path, "a file path",
+            "VLLM_SCCL_SO_PATH",
+            DEFAULT_SCCL_SO_PATH,
+            _path,
+            "a file path",
             "Path of the SCCL collective library (libsuccl.so).",
         ),
         EnvVar(
-            "VLLM_BR_CPU_NUM_DEVICES", 8, _int(1), "an integer >= 1",
+            "VLLM_BR_CPU_NUM_DEVICES",
+            8,
+            _int(1),
+            "an integer >= 1",
             "cpu backend: number of SUPA devices emulated on the host.",
         ),
         EnvVar(
-            "VLLM_BR_CPU_MEMORY_GIB", 4.0, _float(0.0), "a number > 0",
+            "VLLM_BR_CPU_MEMORY_GIB",
+            4.0,
+            _float(0.0),
+            "a number > 0",
             "cpu backend: memory of one emulated device in GiB (capped by the "
             "host's memory); --gpu-memory-utilization is a fraction of it.",
         ),
         EnvVar(
-            "VLLM_BR_MODEL_CACHE", None, _path, "a folder path",
+            "VLLM_BR_MODEL_CACHE",
+            None,
+            _path,
+            "a folder path",
             "Folder where the plugin keeps models it prepares itself (python -m "
             "vllm_br.model_cache prepare); the default model goes in its "
             "SmolLM2-135M-Instruct subfolder. Unset means ~/.cache/vllm-br/models.",

@@ -42,7 +42,9 @@ def _prompts(model_dir, tokenizer: bool):
     if tokenizer:
         from transformers import AutoTokenizer
 
-        return prompt_token_ids_of_lengths(AutoTokenizer.from_pretrained(model_dir), LENGTHS)
+        return prompt_token_ids_of_lengths(
+            AutoTokenizer.from_pretrained(model_dir), LENGTHS
+        )
     return prompt_token_ids_of_lengths(512, LENGTHS)
 
 
@@ -140,7 +142,12 @@ def test_seeded_sampling_repeats(tiny_llama_dir):
 
     def params(seed):
         return SamplingParams(
-            temperature=0.9, top_p=0.9, top_k=40, seed=seed, max_tokens=24, ignore_eos=True
+            temperature=0.9,
+            top_p=0.9,
+            top_k=40,
+            seed=seed,
+            max_tokens=24,
+            ignore_eos=True,
         )
 
     with llm_engine(tiny_llama_dir, dtype="float32") as llm:

@@ -47,18 +47,26 @@ def server(smollm2_dir, tmp_path_factory):
     try:
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited:\n{log_path.read_text()[-4000:]}")
+                raise AssertionError(
+                    f"vllm serve exited:\n{log_path.read_text()[-4000:]}"
+                )
             try:
                 if requests.get(f"{base}/health", timeout=2).status_code == 200:
                     break
             except requests.ConnectionError:
                 pass
             if time.time() > deadline:
-                raise AssertionError(f"server not healthy:\n{log_path.read_text()[-4000:]}")
+                raise AssertionError(
+                    f"server not healthy:\n{log_path.read_text()[-4000:]}"
+                )
             time.sleep(1)
         yield base, log_path
     finally:
-        children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        children = (
+            psutil.Process(proc.pid).children(recursive=True)
+            if proc.poll() is None
+            else []
+        )
         proc.terminate()
         try:
             proc.wait(timeout=60)

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.e2e
 VLLM = str(Path(sys.executable).with_name("vllm"))
 
 
-def _serve_error(model: Path | str, *args: str, env: dict[str, str] | None = None) -> str:
+def _serve_error(
+    model: Path | str, *args: str, env: dict[str, str] | None = None
+) -> str:
     """Run `vllm serve`, expect it to fail, return its last stderr line."""
     full_env = {**os.environ, "VLLM_BR_DEVICE": "cpu", **(env or {})}
     proc = subprocess.Popen(
@@ -59,10 +61,22 @@ def _one_sentence(line: str) -> str:
 @pytest.mark.parametrize(
     ("env", "args", "expected"),
     [
-        ({"VLLM_BR_WEIGHT_TYPE": "bogus"}, (), r"VLLM_BR_WEIGHT_TYPE='bogus'.*NUMA \| UMA"),
+        (
+            {"VLLM_BR_WEIGHT_TYPE": "bogus"},
+            (),
+            r"VLLM_BR_WEIGHT_TYPE='bogus'.*NUMA \| UMA",
+        ),
         ({"VLLM_BR_DEVICE": "gpu"}, (), r"VLLM_BR_DEVICE='gpu'.*auto \| supa \| cpu"),
-        ({"VLLM_BR_STATIC_MOE_DECODER_MAX_LEN": "-3"}, (), r"VLLM_BR_STATIC_MOE_DECODER_MAX_LEN"),
-        ({}, ("--block-size", "16"), r"--block-size 16 is not supported.*--block-size 128"),
+        (
+            {"VLLM_BR_STATIC_MOE_DECODER_MAX_LEN": "-3"},
+            (),
+            r"VLLM_BR_STATIC_MOE_DECODER_MAX_LEN",
+        ),
+        (
+            {},
+            ("--block-size", "16"),
+            r"--block-size 16 is not supported.*--block-size 128",
+        ),
         ({}, ("--dtype", "float16"), r"--dtype float16 is not supported.*bfloat16"),
         ({"VLLM_USE_V1": "0"}, (), r"VLLM_USE_V1=0.*V0 engine"),
     ],

@@ -18,7 +18,11 @@ MB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("VLLM_BR_CPU_NUM_DEVICES", "VLLM_BR_CPU_MEMORY_GIB", "VLLM_BR_DEVICE_SPC_NUM"):
+    for name in (
+        "VLLM_BR_CPU_NUM_DEVICES",
+        "VLLM_BR_CPU_MEMORY_GIB",
+        "VLLM_BR_DEVICE_SPC_NUM",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 

@@ -72,7 +72,9 @@ def test_device_count_and_set_device(backend, fake):
 
 
 def test_set_device_out_of_range(backend):
-    with pytest.raises(SUPAConfigError, match=r"supa:2 does not exist.*SUPA_VISIBLE_DEVICES"):
+    with pytest.raises(
+        SUPAConfigError, match=r"supa:2 does not exist.*SUPA_VISIBLE_DEVICES"
+    ):
         backend.set_device(2)
 
 
@@ -123,7 +125,9 @@ def test_topology_from_brml():
         [False, False, True, True],
         [False, False, True, True],
     ]
-    with installed_fake_torch_br(device_count=4, spc=32, p2p=p2p, numa=[0, 0, 1, 1]) as s:
+    with installed_fake_torch_br(
+        device_count=4, spc=32, p2p=p2p, numa=[0, 0, 1, 1]
+    ) as s:
         b = SupaBackend()
         topo = b.topology()
         assert s.pybrml.initialized == 0  # every brmlInit has its brmlShutdown
@@ -293,7 +297,11 @@ def test_import_does_not_load_vendor_stack(tmp_path):
     )
     env = dict(os.environ, VLLM_BR_DEVICE="auto", PYTHONPATH=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok")

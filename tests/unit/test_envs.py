@@ -114,7 +114,14 @@ def test_one_sentence_checker():
 @pytest.mark.parametrize("name", BOOLS)
 @pytest.mark.parametrize(
     ("raw", "value"),
-    [("1", True), ("0", False), ("true", True), ("false", False), ("TRUE", True), ("False", False)],
+    [
+        ("1", True),
+        ("0", False),
+        ("true", True),
+        ("false", False),
+        ("TRUE", True),
+        ("False", False),
+    ],
 )
 def test_bools(name, raw, value, monkeypatch):
     monkeypatch.setenv(name, raw)

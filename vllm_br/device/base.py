@@ -70,7 +70,9 @@ class DeviceBackend(ABC):
         """The torch.device tensors of device ``index`` live on."""
         if self.torch_device_type == "cpu":
             return torch.device("cpu")
-        return torch.device(self.torch_device_type, self.current_device() if index is None else index)
+        return torch.device(
+            self.torch_device_type, self.current_device() if index is None else index
+        )
 
     @abstractmethod
     def synchronize(self, index: int | None = None) -> None: ...
@@ -117,7 +119,9 @@ class DeviceBackend(ABC):
     def stream(self, stream: Any) -> AbstractContextManager: ...
 
     @abstractmethod
-    def capture_graph(self, fn: Callable[..., Any], *args: Any, pool: Any = None) -> CapturedGraph:
+    def capture_graph(
+        self, fn: Callable[..., Any], *args: Any, pool: Any = None
+    ) -> CapturedGraph:
         """Capture ``fn(*args)`` once into a graph (torch.supa.SUPAGraph on a
         card). ``args`` are the static input buffers: callers copy new inputs
         into them before ``replay()``; the result lives in ``.output``."""

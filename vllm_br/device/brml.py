@@ -147,9 +147,7 @@ def _query_torch(supa: Any, count: int) -> LinkInfo:
         for i in range(count)
     ]
     phys = physical_indices(count)
-    devices = [
-        BrmlDevice(i, phys[i], None, None, None, -1) for i in range(count)
-    ]
+    devices = [BrmlDevice(i, phys[i], None, None, None, -1) for i in range(count)]
     return LinkInfo(p2p=p2p, numa_nodes=[-1] * count, devices=devices, source="torch")
 
 

@@ -232,7 +232,9 @@ class CpuBackend(DeviceBackend):
     def stream(self, stream: Any) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext(stream)
 
-    def capture_graph(self, fn: Callable[..., Any], *args: Any, pool: Any = None) -> EmulatedGraph:
+    def capture_graph(
+        self, fn: Callable[..., Any], *args: Any, pool: Any = None
+    ) -> EmulatedGraph:
         graph = EmulatedGraph(fn, args, pool)
         if isinstance(pool, EmulatedGraphPool):
             pool.graphs.append(graph)

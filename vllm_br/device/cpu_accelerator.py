@@ -57,7 +57,9 @@ def install(backend: Any) -> None:
         "max_memory_allocated": lambda device=None: backend.max_memory_allocated(),
         "memory_reserved": lambda device=None: backend.memory_allocated(),
         "memory_stats": lambda device=None: backend.memory_stats(),
-        "reset_peak_memory_stats": lambda device=None: backend.reset_peak_memory_stats(),
+        "reset_peak_memory_stats": lambda device=None: (
+            backend.reset_peak_memory_stats()
+        ),
     }
     for name in _NAMES:
         _originals[name] = getattr(acc, name, None)

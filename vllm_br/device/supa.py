@@ -46,8 +46,10 @@ def _import_torch_br() -> Any:
         import torch_br
     except ImportError as e:
         choice = envs.VLLM_BR_DEVICE
-        chosen = "VLLM_BR_DEVICE=supa" if choice == "supa" else (
-            f"VLLM_BR_DEVICE={choice} selected the supa backend"
+        chosen = (
+            "VLLM_BR_DEVICE=supa"
+            if choice == "supa"
+            else (f"VLLM_BR_DEVICE={choice} selected the supa backend")
         )
         reason = str(e).rstrip(".") or type(e).__name__
         raise SUPAConfigError(
