@@ -139,7 +139,7 @@ def test_layouts_and_features():
     assert not b.is_mla()
     assert (
         SUPAFlashAttentionMetadataBuilder.get_cudagraph_support(None, None)
-        is AttentionCGSupport.NEVER
+        is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )
 
 

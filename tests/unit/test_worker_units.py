@@ -185,13 +185,18 @@ class _Backend:
         return self.peak
 
 
-def _worker(utilization: float, total: int, explicit: int | None = None):
+def _worker(
+    utilization: float, total: int, explicit: int | None = None, graph_bytes: int = 0
+):
     runs = []
     return types.SimpleNamespace(
         cache_config=types.SimpleNamespace(
             kv_cache_memory_bytes=explicit, gpu_memory_utilization=utilization
         ),
-        model_runner=types.SimpleNamespace(profile_run=lambda: runs.append(1)),
+        model_runner=types.SimpleNamespace(
+            profile_run=lambda: runs.append(1),
+            profile_graph_memory=lambda: graph_bytes,
+        ),
         vllm_config=types.SimpleNamespace(),
         requested_memory=int(total * utilization),
         runs=runs,
@@ -216,6 +221,15 @@ def test_available_memory_is_requested_minus_peak(worker_mod, monkeypatch):
     assert w.available_kv_cache_memory_bytes == 2 * GIB
     assert w.runs == [1]
     assert backend.calls[0] == "reset"
+
+
+def test_graph_memory_is_kept_out_of_the_kv_cache(worker_mod, monkeypatch):
+    backend = _Backend(free=6 * GIB, total=8 * GIB, peak=1 * GIB)
+    monkeypatch.setattr(worker_mod, "get_backend", lambda: backend)
+    w = _worker(0.5, 8 * GIB, graph_bytes=GIB // 2)
+    # requested 4 GiB - in use 2 GiB - graphs 0.5 GiB.
+    assert worker_mod.SUPAWorker.determine_available_memory(w) == 3 * GIB // 2
+    assert w.graph_memory_estimate == GIB // 2
 
 
 def test_available_memory_counts_use_beyond_the_peak(worker_mod, monkeypatch):
