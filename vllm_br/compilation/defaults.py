@@ -1,9 +1,10 @@
 """The default compilation and graph modes of each SUPA device backend.
 
 A default applies only where the user set nothing (``-cc.mode``,
-``-cc.cudagraph_mode``, ``-O``); ``--enforce-eager`` always wins. Each default
-is the fastest correct configuration measured by
-``benchmarks/graph_modes.py`` (numbers in ``docs/graphs.md``).
+``-cc.cudagraph_mode``, ``-O``); ``--enforce-eager`` always wins. A default is
+to be the fastest correct configuration measured by
+``benchmarks/graph_modes.py``; see ``docs/graphs.md`` for what has been
+measured so far.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ if TYPE_CHECKING:
 
 #: backend -> (compilation mode name, cudagraph mode name)
 GRAPH_DEFAULTS: dict[str, tuple[str, str]] = {
-    # Emulation: an emulated graph replays the same host work as eager, so
-    # graphs cannot win; see docs/graphs.md for the measured compile modes.
+    # Emulation: an emulated graph re-runs the same host work as eager, so
+    # graphs alone cannot win; whether compilation does is not yet measured
+    # on SmolLM2 (docs/graphs.md), so eager stays the default.
     "cpu": ("NONE", "NONE"),
     # On a card, vLLM's own default (graphs remove per-kernel launch cost).
     # Not measured here: no SUPA card is reachable from CI.
