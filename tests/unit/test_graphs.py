@@ -64,7 +64,7 @@ def test_platform_names_the_supa_graph_wrapper_compiler_and_passes():
     assert CPU_INDUCTOR_CONFIG["cpp.dynamic_threads"] is True
 
 
-def test_cpu_default_is_the_measured_one(tiny_llama_dir):
+def test_cpu_default_is_the_one_defaults_names(tiny_llama_dir):
     cfg = _engine_config(tiny_llama_dir)
     mode_name, graph_name = defaults.GRAPH_DEFAULTS["cpu"]
     assert cfg.compilation_config.mode == CompilationMode[mode_name]
