@@ -324,6 +324,12 @@ def _apply_compilation_policy(vllm_config: VllmConfig) -> None:
             f"Compilation mode {compilation_config.mode.name} is not supported on "
             "SUPA; use -cc.mode=VLLM_COMPILE (piecewise compile) or --enforce-eager."
         )
+    # vLLM's AOT-compiled model artifacts do not survive a save/load round
+    # trip with the SUPA compile backend (the save fails with "'NoneType'
+    # object is not callable" and a later engine of the same config fails to
+    # load); compile through vLLM's per-piece cache instead. Spawned engine
+    # processes inherit it; a user's own setting wins.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     # vLLM's fusion passes rewrite graphs into CUDA/ROCm fused kernels
     # (quant, allreduce+norm, rope+KV cache) that SUPA does not have, and
     # their pass classes are only imported on those platforms; inductor's own
