@@ -44,6 +44,7 @@ from vllm_br.ops.paged_attention import (  # noqa: E402
     paged_attention,
     reshape_and_cache,
 )
+from vllm_br.ops.registry import get_op
 
 
 class _Layer:
@@ -245,7 +246,9 @@ def test_builder_impl_end_to_end(vllm_config, batch, dtype, layout, window, soft
     n = case.num_tokens
     assert torch.all(output[n:] == 5.0), "padding rows must stay untouched"
 
-    # Same as the kernel called directly on the test's own cache...
+    # Same as the op the backend resolves, called directly on the test's
+    # own cache...
+    case.impl = staticmethod(get_op("paged_attention"))
     direct = case.run(sliding_window=window, logits_soft_cap=softcap)
     torch.testing.assert_close(output[:n], direct[:n], atol=1e-6, rtol=1e-6)
     # ...and as the float64 reference.

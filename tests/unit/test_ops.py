@@ -89,10 +89,14 @@ def test_get_op_prefers_fused_kernel_and_caches(fake_backend):
     assert backend.calls == 3
 
 
-def test_cpu_backend_binds_no_fused_kernels():
+def test_cpu_backend_binds_only_its_host_kernels():
+    from vllm_br.device.cpu_kernels import paged_attention as cpu_pa
+
     registry.clear_cache()
     for name in ops.registered_ops():
-        if name != "linear":  # registered by vllm_br.layers.weight_layout
+        if name == "paged_attention":  # the C++ decode kernel
+            assert ops.get_op(name) is cpu_pa.paged_attention
+        elif name != "linear":  # registered by vllm_br.layers.weight_layout
             assert ops.get_op(name) is ops.reference_op(name)
 
 

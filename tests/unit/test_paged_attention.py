@@ -7,6 +7,10 @@ softmax(Q K^T * scale + mask) V in float64.
 Tolerances: float32 atol/rtol 1e-5; bfloat16 atol 1.5e-2 (inputs are the same
 bf16-rounded values for kernel and reference; the kernel rounds probabilities
 and outputs to bf16).
+
+Every test runs twice: on the PyTorch reference ops, and on the cpu backend's
+``paged_attention`` (its C++ decode kernel for the decodes, the reference for
+the prefills), which must meet the same tolerances.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_br.device import cpu_kernels
+from vllm_br.device.cpu_kernels import paged_attention as cpu_pa
 from vllm_br.ops import paged_attention as pa
 from vllm_br.ops.paged_attention import (
     attention_varlen,
@@ -50,6 +56,14 @@ def make_layer_cache(num_blocks, hkv, content, dtype, layout="LBNHC", num_layers
     view = phys.permute(inv)
     assert tuple(view.shape) == logical
     return view[num_layers - 1]
+
+
+@pytest.fixture(autouse=True, params=["reference", "cpu_kernel"])
+def impl(request, monkeypatch):
+    if request.param == "cpu_kernel":
+        assert cpu_kernels.load_library() is not None, "the C++ kernels must build"
+        monkeypatch.setattr(Case, "impl", staticmethod(cpu_pa.paged_attention))
+    return request.param
 
 
 class Case:
@@ -133,8 +147,10 @@ class Case:
         self.qsl = torch.tensor([0] + list(query_lens)).cumsum(0).to(torch.int32)
         self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
 
+    impl = staticmethod(paged_attention)
+
     def run(self, output=None, plan=None, **kw):
-        return paged_attention(
+        return self.impl(
             self.query,
             self.kv_cache,
             self.block_table,
@@ -426,3 +442,81 @@ def test_fp32_model_with_bf16_kv_cache():
     k, v = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
     reshape_and_cache(k, v, cache, torch.tensor([130]))
     assert torch.equal(cache[1, :, 2, :8], k[0].bfloat16())
+
+
+# --------------------------------------------------------------------------- #
+# The cpu backend's C++ decode kernel itself
+# --------------------------------------------------------------------------- #
+
+
+# These call the kernel directly: one run, not one per implementation.
+KERNEL_ONLY = pytest.mark.parametrize("impl", ["reference"], indirect=True)
+
+
+def _decode_with_kernel(case, **kw):
+    """Run the C++ decode kernel alone on case's decodes; returns (ran, out)."""
+    plan = make_paged_attention_plan(case.qsl, case.seq_lens_t)
+    out = torch.zeros_like(case.query)
+    ran = cpu_pa.decode(
+        case.query,
+        case.kv_cache,
+        case.block_table,
+        case.seq_lens_t,
+        case.scale,
+        case.hkv,
+        kw.get("window"),
+        kw.get("soft_cap"),
+        out,
+        plan,
+    )
+    return ran, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 1), (2, 2)])
+@KERNEL_ONLY
+def test_cpu_kernel_decodes_match_reference(dtype, d, hq, hkv, impl):
+    case = Case(SEQ_LENS, [1] * len(SEQ_LENS), hq=hq, hkv=hkv, d=d, dtype=dtype)
+    ran, out = _decode_with_kernel(case)
+    assert ran, "the kernel must take this shape"
+    check(case, out, case.reference())
+    # Padding rows after the real tokens are not written.
+    assert out[case.num_tokens :].abs().sum() == 0
+
+
+@KERNEL_ONLY
+def test_cpu_kernel_declines_unsupported_head_size(impl):
+    case = Case([40, 300], [1, 1], hq=4, hkv=2, d=24)
+    ran, out = _decode_with_kernel(case)
+    assert not ran and out.abs().sum() == 0
+    # paged_attention then falls back to the reference decode.
+    case.impl = staticmethod(cpu_pa.paged_attention)
+    check(case, case.run(), case.reference())
+
+
+@KERNEL_ONLY
+def test_cpu_kernel_clamps_stale_rows(impl):
+    """A stale padding row of a graph replay may carry any seq_len and block
+    ids; the kernel must stay inside the cache (no crash, finite output)."""
+    case = Case([200, 5], [1, 1], hq=4, hkv=2)
+    case.seq_lens_t = torch.tensor([10**6, 0], dtype=torch.int32)
+    case.block_table[0, :] = torch.tensor(
+        [-5, 10**6] + [3] * (case.block_table.shape[1] - 2)
+    )
+    ran, out = _decode_with_kernel(case)
+    assert ran
+    assert torch.isfinite(out[:2]).all()
+    assert out[1].abs().sum() == 0  # seq_len 0: zeros, like the reference
+
+
+@KERNEL_ONLY
+def test_cpu_kernels_can_be_switched_off(monkeypatch, impl):
+    monkeypatch.setenv("VLLM_BR_CPU_KERNELS", "0")
+    cpu_kernels.load_library.cache_clear()
+    try:
+        assert cpu_kernels.fused_kernels() == {}
+    finally:
+        monkeypatch.delenv("VLLM_BR_CPU_KERNELS")
+        cpu_kernels.load_library.cache_clear()
+    assert "paged_attention" in cpu_kernels.fused_kernels()

@@ -56,6 +56,7 @@ share a KV head are folded into the query-row dimension.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -440,6 +441,7 @@ def paged_attention(
     output: torch.Tensor | None = None,
     plan: PagedAttentionPlan | None = None,
     use_sdpa: bool = True,
+    decode_kernel: Callable[..., bool] | None = None,
 ) -> torch.Tensor:
     """Attention of every request's new query tokens over its paged K/V.
 
@@ -464,6 +466,11 @@ def paged_attention(
         plan: the step's :class:`PagedAttentionPlan`; built here (one host
             sync) when None.
         use_sdpa: False forces the explicit float32 path.
+        decode_kernel: a device kernel for the decodes, called as
+            ``decode_kernel(query, kv_cache, block_table, seq_lens, scale,
+            num_kv_heads, window, logits_soft_cap, out3, plan)``; it returns
+            False (having written nothing) where it does not apply, and the
+            reference then runs. Prefills always run the reference.
 
     Returns:
         ``output``.
@@ -517,6 +524,20 @@ def paged_attention(
 
     # ---- decodes: [num_decodes, H, 1, S] ---------------------------------- #
     nd = plan.num_decodes
+    if nd and decode_kernel is not None:
+        if decode_kernel(
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            scale,
+            num_kv_heads,
+            window,
+            logits_soft_cap,
+            out3,
+            plan,
+        ):
+            nd = 0
     if nd:
         if plan.decode_reqs is None:
             q = query[:nd]

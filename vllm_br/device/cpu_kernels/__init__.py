@@ -1,0 +1,126 @@
+"""Host kernels of the cpu backend, built from C++ with the system compiler.
+
+The cpu backend runs the ops' PyTorch references, except where a profile
+showed a reference far from what the host can do; those ops get a small C++
+kernel here, checked against the reference by the unit tests. The library is
+compiled once per source, compiler and CPU (``-march=native``) into
+``VLLM_BR_KERNEL_CACHE`` and loaded with ctypes. It links the process's
+libgomp (the one torch loaded), so its OpenMP threads are torch's.
+
+Without a compiler, or with ``VLLM_BR_CPU_KERNELS=0``, every op runs its
+reference and a warning says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vllm_br import envs
+from vllm_br.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCES = ("paged_attention_decode.cpp",)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _library_path(compiler: str) -> Path:
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((here / name).read_bytes())
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    for part in (version, " ".join(_FLAGS), _cpu_signature()):
+        h.update(part.encode())
+    return (
+        Path(envs.VLLM_BR_KERNEL_CACHE).expanduser()
+        / f"libvllm_br_cpu_kernels-{h.hexdigest()[:16]}.so"
+    )
+
+
+def _build(compiler: str, target: Path) -> None:
+    here = Path(__file__).resolve().parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build into a temporary file and rename: workers of one engine may build
+    # at the same time, and a reader must never see a half-written library.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, "-o", tmp, *(str(here / s) for s in _SOURCES)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(res.stderr.strip()[-2000:])
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (then the references run)."""
+    if not envs.VLLM_BR_CPU_KERNELS:
+        logger.info("VLLM_BR_CPU_KERNELS=0: the cpu backend runs reference ops only.")
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.warning(
+            "No C++ compiler (g++/c++ or $CXX) was found, so the cpu backend runs "
+            "its slower reference kernels; install g++ to get the fast ones."
+        )
+        return None
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+            logger.info("Built the cpu backend's kernels into %s.", path)
+        torch.ops  # noqa: B018 - torch (and its libgomp) is loaded first
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning(
+            "Building the cpu backend's kernels failed, so it runs the slower "
+            "reference kernels (set VLLM_BR_CPU_KERNELS=0 to skip the build): %s",
+            e,
+        )
+        return None
+    _declare(lib)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    fn = lib.vllm_br_paged_attention_decode
+    fn.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i32, i32]
+    fn.argtypes += [ptr, ptr, ptr] + [i32] * 6 + [f32, f32, i32, ptr, i64, i64, i32]
+    fn.restype = ctypes.c_int
+
+
+def fused_kernels() -> dict[str, object]:
+    """The ops this library accelerates, by op name (empty without it)."""
+    if load_library() is None:
+        return {}
+    from vllm_br.device.cpu_kernels.paged_attention import paged_attention
+
+    return {"paged_attention": paged_attention}
