@@ -209,6 +209,33 @@ _VARS: dict[str, EnvVar] = {
             "vllm_br.model_cache prepare); the default model goes in its "
             "SmolLM2-135M-Instruct subfolder. Unset means ~/.cache/vllm-br/models.",
         ),
+        EnvVar(
+            "VLLM_BR_CPU_KERNELS",
+            True,
+            _bool,
+            "0 or 1",
+            "cpu backend: 1 builds and uses its C++ host kernels (paged-attention "
+            "decode) with the system's g++; 0 runs every op's PyTorch reference.",
+        ),
+        EnvVar(
+            "VLLM_BR_CPU_BF16_MATMUL",
+            "auto",
+            _choice("auto", "native", "fp32"),
+            "auto | native | fp32",
+            "cpu backend: how bfloat16 GEMMs run. 'fp32' multiplies float32 "
+            "copies of the weights and rounds the result to bfloat16 (what a "
+            "bf16 GEMM with float32 accumulation computes; about 20x faster on "
+            "hosts without AVX512-BF16/AMX, at twice the weight memory); "
+            "'native' uses torch's bf16 matmul; 'auto' picks 'native' only "
+            "where the host has AVX512-BF16 or AMX.",
+        ),
+        EnvVar(
+            "VLLM_BR_KERNEL_CACHE",
+            "~/.cache/vllm-br/kernels",
+            _path,
+            "a folder path",
+            "Folder where the cpu backend keeps its compiled host kernels.",
+        ),
     ]
 }
 

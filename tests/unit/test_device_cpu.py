@@ -183,4 +183,23 @@ def test_topology_shape(backend, monkeypatch):
 
 def test_versions_and_kernels(backend):
     assert backend.versions() == {"torch_br": None}
-    assert backend.fused_kernels() == {}
+    # The C++ host kernels (tests/unit/test_paged_attention.py checks them).
+    assert set(backend.fused_kernels()) == {"paged_attention"}
+
+
+@pytest.mark.parametrize(
+    "env,avx512_bf16,amx,expect",
+    [
+        ("fp32", True, True, torch.float32),
+        ("native", False, False, torch.bfloat16),
+        ("auto", False, False, torch.float32),
+        ("auto", True, False, torch.bfloat16),
+        ("auto", False, True, torch.bfloat16),
+    ],
+)
+def test_bf16_matmul_policy(backend, monkeypatch, env, avx512_bf16, amx, expect):
+    monkeypatch.setenv("VLLM_BR_CPU_BF16_MATMUL", env)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert backend.matmul_dtype(torch.bfloat16) == expect
+    assert backend.matmul_dtype(torch.float32) == torch.float32

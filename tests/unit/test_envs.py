@@ -24,6 +24,9 @@ DEFAULTS = {
     "VLLM_BR_CPU_NUM_DEVICES": 8,
     "VLLM_BR_CPU_MEMORY_GIB": 4.0,
     "VLLM_BR_MODEL_CACHE": None,
+    "VLLM_BR_CPU_KERNELS": True,
+    "VLLM_BR_KERNEL_CACHE": "~/.cache/vllm-br/kernels",
+    "VLLM_BR_CPU_BF16_MATMUL": "auto",
 }
 
 BOOLS = [
@@ -44,6 +47,8 @@ BAD_VALUES = [
     ("VLLM_BR_STATIC_MOE_DECODER_MAX_LEN", "x", "an integer >= 1"),
     ("VLLM_BR_CPU_NUM_DEVICES", "0", "an integer >= 1"),
     ("VLLM_BR_CPU_MEMORY_GIB", "lots", "a number > 0"),
+    ("VLLM_BR_CPU_KERNELS", "maybe", "0 or 1"),
+    ("VLLM_BR_CPU_BF16_MATMUL", "bf16", "auto | native | fp32"),
     ("VLLM_BR_CPU_MEMORY_GIB", "0", "a number > 0"),
     ("VLLM_BR_CPU_MEMORY_GIB", "-2", "a number > 0"),
     ("VLLM_BR_CPU_MEMORY_GIB", "inf", "a number > 0"),

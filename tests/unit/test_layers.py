@@ -595,3 +595,87 @@ def test_pre_processed_weights_are_not_permuted_again(monkeypatch):
     assert layer.br_weight_layout is not None and torch.equal(layer.weight, dev_w)
     x = torch.randn(3, 16)
     same(layer(x)[0], F.linear(x, w))
+
+
+# ---- float32 GEMM copies of bfloat16 weights (hosts without fast bf16 matmul) -----
+
+
+def _fp32_gemm(x, w, b=None):
+    """A bf16 GEMM with float32 accumulation, one rounding: the reference."""
+    bias = None if b is None else b.float()
+    return F.linear(x.float(), w.float(), bias).to(x.dtype)
+
+
+@pytest.mark.parametrize("layout_kind", [None, NUMA])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_op_with_matmul_weight(layout_kind, with_bias):
+    sizes = [16, 8, 8]
+    x = torch.randn(7, 33, dtype=torch.bfloat16)
+    w = torch.randn(sum(sizes), 33, dtype=torch.bfloat16)
+    b = torch.randn(sum(sizes), dtype=torch.bfloat16) if with_bias else None
+    layout, dev_w = None, w
+    if layout_kind is not None:
+        layout = DeviceLayout.make(layout_kind, 2, sizes, w.device)
+        dev_w = wl.to_device_layout(w, layout_kind, 2, sizes)
+    out = wl.linear(x, dev_w, b, layout, dev_w.float())
+    assert out.dtype == torch.bfloat16
+    same(out, _fp32_gemm(x, w, b))
+    # ... and agrees with torch's native bf16 GEMM up to summation order.
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=0.0625, rtol=1.6e-2)
+
+
+def _bf16_model():
+    from vllm.model_executor.layers import linear as L
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = torch.nn.ModuleDict(
+            dict(
+                qkv=L.QKVParallelLinear(32, 8, 4, 2, bias=True),
+                row=L.RowParallelLinear(32, 16, bias=False),
+                lm_head=ParallelLMHead(130, 32, disable_tp=True),
+            )
+        )
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for p in model.parameters():
+        p.data.normal_()
+    for name in ("qkv", "row"):
+        model[name].quant_method.process_weights_after_loading(model[name])
+    return model
+
+
+def test_attach_matmul_weights_on_fp32_policy(monkeypatch):
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_br.layers import matmul_weights
+
+    monkeypatch.setenv("VLLM_BR_CPU_BF16_MATMUL", "fp32")
+    model = _bf16_model()
+    added = matmul_weights.attach(model)
+    copies = {n: getattr(m, matmul_weights.MATMUL_WEIGHT) for n, m in model.items()}
+    assert added == sum(c.numel() * 4 for c in copies.values())
+    for name, copy in copies.items():
+        assert copy.dtype == torch.float32
+        assert torch.equal(copy, model[name].weight.float())
+    # Not weights: they stay out of the state dict, and weight stays bf16.
+    assert all("br_matmul_weight" not in k for k in model.state_dict())
+    assert model["qkv"].weight.dtype == torch.bfloat16
+
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    qkv = model["qkv"]
+    same(qkv(x)[0], _fp32_gemm(x, qkv.weight, qkv.bias))
+    lp = LogitsProcessor(130)
+    same(lp(model["lm_head"], x), _fp32_gemm(x, model["lm_head"].weight)[:, :130])
+
+
+def test_attach_matmul_weights_native_policy_adds_nothing(monkeypatch):
+    from vllm_br.layers import matmul_weights
+
+    monkeypatch.setenv("VLLM_BR_CPU_BF16_MATMUL", "native")
+    model = _bf16_model()
+    assert matmul_weights.attach(model) == 0
+    assert not any(hasattr(m, matmul_weights.MATMUL_WEIGHT) for m in model.values())
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    same(model["row"](x)[0], F.linear(x, model["row"].weight))

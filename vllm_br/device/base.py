@@ -83,6 +83,11 @@ class DeviceBackend(ABC):
     @abstractmethod
     def is_bf16_supported(self) -> bool: ...
 
+    def matmul_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype GEMMs on ``dtype`` weights should compute in (the layers
+        keep a copy of the weights in it when it differs)."""
+        return dtype
+
     @abstractmethod
     def manual_seed_all(self, seed: int) -> None: ...
 

@@ -19,6 +19,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 
 from vllm_br.layers._oot import register_oot
+from vllm_br.layers.matmul_weights import MATMUL_WEIGHT
 from vllm_br.ops import get_op
 
 
@@ -75,7 +76,10 @@ class SUPALogitsProcessor(LogitsProcessor):
             self.head_dtype is None or self.head_dtype == hidden_states.dtype
         ):
             return get_op("compute_logits")(
-                hidden_states, lm_head.weight, embedding_bias
+                hidden_states,
+                lm_head.weight,
+                embedding_bias,
+                getattr(lm_head, MATMUL_WEIGHT, None),
             )
         return super()._apply_head(lm_head, hidden_states, embedding_bias)
 

@@ -38,6 +38,7 @@ from vllm.model_executor.utils import is_weights_pre_processed
 
 from vllm_br.layers import weight_layout
 from vllm_br.layers._oot import logger, register_oot
+from vllm_br.layers.matmul_weights import MATMUL_WEIGHT
 from vllm_br.layers.weight_layout import DeviceLayout
 from vllm_br.ops import get_op
 
@@ -67,7 +68,13 @@ class SUPAUnquantizedLinearMethod(UnquantizedLinearMethod):
         x: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return get_op("linear")(x, layer.weight, bias, layer.br_weight_layout)
+        return get_op("linear")(
+            x,
+            layer.weight,
+            bias,
+            layer.br_weight_layout,
+            getattr(layer, MATMUL_WEIGHT, None),
+        )
 
 
 def logical_weight(layer: torch.nn.Module) -> torch.Tensor:

@@ -161,12 +161,21 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     layout: DeviceLayout | None = None,
+    matmul_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T + b`` for ``W`` stored in ``layout``; ``bias`` is logical.
 
     Each output channel is the same dot product as with the plain weight, so
-    the result equals ``F.linear(x, W_logical, b)`` exactly.
+    the result equals ``F.linear(x, W_logical, b)`` exactly. ``matmul_weight``
+    is ``weight`` in a wider dtype (see ``vllm_br.layers.matmul_weights``):
+    the product is then computed in it and rounded to ``x``'s dtype.
     """
+    if matmul_weight is not None:
+        out_dtype = x.dtype
+        x = x.to(matmul_weight.dtype)
+        weight = matmul_weight
+        bias = None if bias is None else bias.to(matmul_weight.dtype)
+        return linear(x, weight, bias, layout).to(out_dtype)
     if layout is None:
         return F.linear(x, weight, bias)
     to_device, from_device = layout.to_device, layout.from_device

@@ -55,9 +55,16 @@ def compute_logits(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    matmul_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This rank's vocab shard of the logits (unquantized lm_head)."""
-    return F.linear(hidden_states, weight, bias)
+    """This rank's vocab shard of the logits (unquantized lm_head).
+    ``matmul_weight``: ``weight`` in a wider dtype to compute in; the logits
+    are then rounded to the hidden states' dtype, as without it."""
+    if matmul_weight is None:
+        return F.linear(hidden_states, weight, bias)
+    dt = matmul_weight.dtype
+    b = None if bias is None else bias.to(dt)
+    return F.linear(hidden_states.to(dt), matmul_weight, b).to(hidden_states.dtype)
 
 
 @register_op("logits_soft_cap_and_scale")

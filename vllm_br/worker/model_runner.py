@@ -19,6 +19,7 @@ from vllm_br import compat
 from vllm_br.compilation.capture import capture_graphs, estimate_graph_memory
 from vllm_br.compilation.graph_wrapper import SUPAGraphWrapper
 from vllm_br.device import DeviceBackend, get_backend
+from vllm_br.layers import matmul_weights
 from vllm_br.logger import init_logger
 
 logger = init_logger(__name__)
@@ -55,6 +56,8 @@ class SUPAModelRunner(GPUModelRunner):
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
+        # Before profiling, so the copies are counted against the KV cache.
+        matmul_weights.attach(self.get_model())
         # vLLM's runner wraps the model for FULL graphs with its hard-coded
         # CUDAGraphWrapper; on SUPA the same wrapper position takes
         # SUPAGraphWrapper (PIECEWISE pieces get it from the platform).

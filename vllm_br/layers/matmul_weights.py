@@ -1,0 +1,67 @@
+"""Wider copies of GEMM weights for devices whose matmul is slow in the model dtype.
+
+The cpu backend on a host without AVX512-BF16 or AMX multiplies bfloat16
+about 20x slower than float32 (torch falls back to a generic loop), so there
+``get_backend().matmul_dtype(torch.bfloat16)`` is float32. After loading,
+:func:`attach` stores a float32 copy of each unquantized linear weight (in its
+device layout) and of the LM head as the module's ``br_matmul_weight``
+buffer; the ``linear`` and ``compute_logits`` ops multiply in it and round the
+result to bfloat16, which is what a bf16 GEMM with float32 accumulation
+computes. The bfloat16 weights stay (embedding lookups and anything else
+that reads ``weight`` see the model dtype). A card keeps its native dtype,
+and so nothing is attached.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    UnquantizedEmbeddingMethod,
+)
+
+from vllm_br.device import get_backend
+from vllm_br.logger import init_logger
+
+logger = init_logger(__name__)
+
+MATMUL_WEIGHT = "br_matmul_weight"
+
+
+def _gemm_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The weight a plain GEMM of this module reads, if we run that GEMM."""
+    from vllm_br.layers.linear import SUPAUnquantizedLinearMethod
+
+    quant = getattr(module, "quant_method", None)
+    if isinstance(module, LinearBase) and type(quant) is SUPAUnquantizedLinearMethod:
+        if getattr(module, "_cpu_skip_gemm_dispatch", False):
+            return None  # its raw weight is read by other code
+        return module.weight
+    if isinstance(module, ParallelLMHead) and type(quant) is UnquantizedEmbeddingMethod:
+        return module.weight
+    return None
+
+
+def attach(model: torch.nn.Module) -> int:
+    """Give every GEMM weight whose dtype the device multiplies slowly a copy
+    in the dtype it multiplies fast; returns the bytes added."""
+    backend = get_backend()
+    added = 0
+    for module in model.modules():
+        weight = _gemm_weight(module)
+        if weight is None or weight.ndim != 2:
+            continue
+        dtype = backend.matmul_dtype(weight.dtype)
+        if dtype == weight.dtype:
+            continue
+        copy = weight.detach().to(dtype)
+        module.register_buffer(MATMUL_WEIGHT, copy, persistent=False)
+        added += copy.numel() * copy.element_size()
+    if added:
+        logger.info(
+            "GEMMs run in float32 on bfloat16 weights (VLLM_BR_CPU_BF16_MATMUL; this "
+            "host has no fast bf16 matmul): %.1f MiB of float32 weight copies.",
+            added / 2**20,
+        )
+    return added
