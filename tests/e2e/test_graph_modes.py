@@ -1,8 +1,9 @@
 """Every SUPA graph mode gives eager's greedy output, with captures reused.
 
 Models: SmolLM2-135M-Instruct (the default model) and the tiny random
-Qwen3-MoE, in float32 (identical tokens required), plus the MoE in bfloat16
-under vLLM's ``check_logprobs_close`` rule. Capture sizes are 1, 2, 4, 8 and
+Qwen3-MoE, in float32 (identical tokens required), plus the MoE with graphs
+and SmolLM2 with the cpu default (compile, no graphs) in bfloat16 under
+vLLM's ``check_logprobs_close`` rule. Capture sizes are 1, 2, 4, 8 and
 the batches served are 1 and 8 (captured sizes), 3 (padded to 4) and 11
 (above the largest: eager). Prompts of 120 and 126 tokens cross the 128-token
 block boundary while decoding, so a FULL graph replays over a longer block
@@ -23,6 +24,13 @@ from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
 
 pytestmark = pytest.mark.e2e
 
+
+@pytest.fixture(autouse=True)
+def _compile_fresh(monkeypatch):
+    # Each engine compiles instead of loading an earlier run's artifacts from
+    # vLLM's compile cache, so "inductor compiled it" is what is checked.
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+
 CAPTURE_SIZES = [1, 2, 4, 8]
 BATCHES = [1, 3, 8, 11]
 LENGTHS = [120, 5, 40, 300, 17, 60, 9, 126, 33, 70, 12]
@@ -33,6 +41,9 @@ ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)
 # mode -> (compilation mode, cudagraph mode asked for, mode the runner
 # serves, runtime modes that hold captured graphs)
 MODES = {
+    # The cpu backend's default (vllm_br/compilation/defaults.py): inductor
+    # pieces, no graphs.
+    "compile": ("VLLM_COMPILE", "NONE", "NONE", set()),
     "PIECEWISE": ("VLLM_COMPILE", "PIECEWISE", "PIECEWISE", {"PIECEWISE"}),
     "FULL_AND_PIECEWISE": (
         "VLLM_COMPILE",
@@ -139,11 +150,16 @@ def test_graph_mode_matches_eager_float32(model, mode):
     for n in BATCHES:
         assert got[n] == eager[n], f"{name} {mode}: batch {n} differs from eager"
     assert start["served_mode"] == served
-    assert start["wrapper_types"] == ["SUPAGraphWrapper"]
+    # No graph mode served: vLLM wraps nothing, so no wrapper exists.
+    wrappers = ["SUPAGraphWrapper"] if captured_modes else []
+    assert start["wrapper_types"] == wrappers
     assert set(start["captured_modes"]) == captured_modes
-    assert start["graphs"] > 0 and start["one_pool"]
     if compile_mode == "VLLM_COMPILE":
         assert start["inductor_compiles"] > 0  # inductor's C++ code generation
+    if not captured_modes:
+        assert start["graphs"] == end["graphs"] == 0
+        return
+    assert start["graphs"] > 0 and start["one_pool"]
     # Serving replayed the graphs and captured nothing new.
     assert end["captured"] == start["captured"]
     assert end["graphs"] == start["graphs"]
@@ -167,3 +183,25 @@ def test_graphs_follow_logprobs_rule_bfloat16(tiny_qwen3_moe_dir):
         assert llm.collective_rpc(graph_facts)[0]["replays"] > 0
     for n in BATCHES:
         check_logprobs_close(eager[n], graphs[n])
+
+
+def test_cpu_default_follows_logprobs_rule_bfloat16(smollm2_dir):
+    """The configuration a user gets by default (no -cc, no -O, no
+    --enforce-eager) on SmolLM2 in bfloat16: compiled pieces whose fused
+    bf16 roundings differ from eager's, within vLLM's logprobs rule."""
+    from transformers import AutoTokenizer
+
+    prompts = prompt_token_ids_of_lengths(
+        AutoTokenizer.from_pretrained(smollm2_dir), LENGTHS
+    )
+    with llm_engine(smollm2_dir, dtype="bfloat16", enforce_eager=True, **ENGINE) as llm:
+        eager = _serve_batches(llm, prompts, logprobs=5)
+    with llm_engine(
+        smollm2_dir, dtype="bfloat16", enforce_eager=False, **ENGINE
+    ) as llm:
+        facts = llm.collective_rpc(graph_facts)[0]
+        default = _serve_batches(llm, prompts, logprobs=5)
+    assert (facts["compile_mode"], facts["served_mode"]) == ("VLLM_COMPILE", "NONE")
+    assert facts["inductor_compiles"] > 0
+    for n in BATCHES:
+        check_logprobs_close(eager[n], default[n])
