@@ -70,6 +70,7 @@ def all_oot_pairs():
     pairs = [(base, cls) for base, cls in br_act.OOT_LAYERS]
     pairs += [(base, cls) for base, cls in br_rope.OOT_LAYERS]
     pairs += br_emb.OOT_LAYERS + br_linear.OOT_LAYERS
+    pairs += br_norm._TF_NORMS  # the Transformers backend's TP-aware norms
     pairs += [
         (br_norm.RMSNorm, br_norm.SUPARMSNorm),
         (br_norm.GemmaRMSNorm, br_norm.SUPAGemmaRMSNorm),
@@ -87,6 +88,13 @@ def test_registered_out_of_tree(base, cls):
     assert issubclass(cls, base)
     # the in-tree op name is kept, so custom_ops "+name"/"-name" still apply
     assert cls.name == base.name
+
+
+def test_transformers_backend_norms_are_replaced():
+    # vLLM 0.33 serves e.g. GlmForCausalLM through its Transformers backend,
+    # whose norms are these classes; unregistered they would run vLLM's own.
+    names = {base.__name__ for base, _ in br_norm._TF_NORMS}
+    assert names == {"TPAwareRMSNorm", "TPAwareGemmaRMSNorm"}
 
 
 def test_register_all_is_idempotent():

@@ -29,9 +29,7 @@ class SUPARMSNorm(_RMSNormOOT, RMSNorm):
     """vLLM's RMSNorm; ``forward(x, residual)`` returns ``(out, x + residual)``."""
 
 
-class SUPAGemmaRMSNorm(GemmaRMSNorm):
-    """Gemma's ``x * (1 + w)`` RMSNorm: the same op with the weight offset."""
-
+class _GemmaRMSNormOOT:
     def forward_oot(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +37,42 @@ class SUPAGemmaRMSNorm(GemmaRMSNorm):
         if residual is None:
             return get_op("rms_norm")(x, weight, self.variance_epsilon)
         return get_op("fused_add_rms_norm")(x, residual, weight, self.variance_epsilon)
+
+
+class SUPAGemmaRMSNorm(_GemmaRMSNormOOT, GemmaRMSNorm):
+    """Gemma's ``x * (1 + w)`` RMSNorm: the same op with the weight offset."""
+
+
+# The Transformers modeling backend (models vLLM serves through HF's modules,
+# e.g. GlmForCausalLM) swaps each HF RMSNorm for a subclass of its own,
+# TPAwareRMSNorm / TPAwareGemmaRMSNorm (RMSNorm plus an all-gather of a
+# TP-sharded input in ``forward``). vLLM replaces a class by its exact name,
+# so those need their own registrations; unregistered they run vLLM's native
+# norm. Only when they derive from vLLM's RMSNorm / GemmaRMSNorm (not with
+# VLLM_USE_HW_AGNOSTIC, where they derive from the hw-agnostic RMSNorm).
+try:
+    from vllm.model_executor.models.transformers.fusers import rms_norm as _tf_norm
+except ImportError:  # not in every vLLM
+    _tf_norm = None
+
+_TF_NORMS: list[tuple[type, type]] = []
+if _tf_norm is not None and issubclass(
+    getattr(_tf_norm, "TPAwareRMSNorm", type), RMSNorm
+):
+
+    class SUPATPAwareRMSNorm(_RMSNormOOT, _tf_norm.TPAwareRMSNorm):
+        pass
+
+    _TF_NORMS.append((_tf_norm.TPAwareRMSNorm, SUPATPAwareRMSNorm))
+
+if _tf_norm is not None and issubclass(
+    getattr(_tf_norm, "TPAwareGemmaRMSNorm", type), GemmaRMSNorm
+):
+
+    class SUPATPAwareGemmaRMSNorm(_GemmaRMSNormOOT, _tf_norm.TPAwareGemmaRMSNorm):
+        pass
+
+    _TF_NORMS.append((_tf_norm.TPAwareGemmaRMSNorm, SUPATPAwareGemmaRMSNorm))
 
 
 # vLLM's hw-agnostic RMSNorm (VLLM_USE_HW_AGNOSTIC, Transformers backend) has
@@ -62,6 +96,7 @@ def register() -> list[str]:
         (RMSNorm, SUPARMSNorm, custom_op.op_registry_oot),
         (GemmaRMSNorm, SUPAGemmaRMSNorm, custom_op.op_registry_oot),
     ]
+    entries += [(base, cls, custom_op.op_registry_oot) for base, cls in _TF_NORMS]
     if _HwRMSNorm is not None:
         entries.append(
             (_HwRMSNorm, SUPAHwAgnosticRMSNorm, _hw_custom_op.op_registry_oot)
