@@ -31,6 +31,7 @@ def _compile_fresh(monkeypatch):
     # vLLM's compile cache, so "inductor compiled it" is what is checked.
     monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
 
+
 CAPTURE_SIZES = [1, 2, 4, 8]
 BATCHES = [1, 3, 8, 11]
 LENGTHS = [120, 5, 40, 300, 17, 60, 9, 126, 33, 70, 12]
