@@ -576,6 +576,23 @@ def test_linear_layers_keep_plain_layout_on_cpu_backend():
     same(layer(x)[0], F.linear(x, w))
 
 
+def test_moe_gate_linear_runs_the_linear_op():
+    # GLM-4-MoE / DeepSeek build their router as a float32 GateLinear with
+    # float32 logits; on bfloat16 activations it casts the input up and its
+    # GEMM is the plugin's linear op (vLLM's own tiers are CUDA/ROCm only).
+    from vllm.model_executor.layers.fused_moe import GateLinear
+
+    layer = GateLinear(16, 8, out_dtype=torch.float32, params_dtype=torch.float32)
+    assert type(layer) is br_linear.SUPAGateLinear
+    assert type(layer.quant_method) is br_linear.SUPAUnquantizedLinearMethod
+    layer.weight.data.normal_()
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    logits, _ = layer(x)
+    assert logits.dtype == torch.float32
+    same(logits, F.linear(x.float(), layer.weight))
+
+
 def test_mla_kv_b_proj_keeps_plain_layout(monkeypatch):
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 

@@ -2,9 +2,14 @@
 
 vLLM's linear layers are ``PluggableLayer``s; the OOT classes below replace
 ReplicatedLinear, ColumnParallelLinear, MergedColumnParallelLinear,
-QKVParallelLinear and RowParallelLinear (each by its own name: vLLM matches
-the exact class name). Their only change: an exactly-``UnquantizedLinearMethod``
-quant method becomes :class:`SUPAUnquantizedLinearMethod`, which
+QKVParallelLinear, RowParallelLinear and the MoE router's GateLinear (a
+ReplicatedLinear; each by its own name: vLLM matches the exact class name).
+GateLinear's own GEMM tiers are CUDA / ROCm kernels it switches off on any
+other platform, so on SUPA it always takes its last tier, ReplicatedLinear's
+forward (input cast to the gate's weight dtype, float32 logits where the
+model asks for them), which then runs the ``linear`` op. Their only change:
+an exactly-``UnquantizedLinearMethod`` quant method becomes
+:class:`SUPAUnquantizedLinearMethod`, which
 
 - after loading (``process_weights_after_loading``) rewrites the weight into
   the device layout (``weight_layout``: NUMA per-die split on a two-die card,
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import torch
 from vllm.model_executor import custom_op
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -115,12 +121,17 @@ class SUPARowParallelLinear(_DeviceLayoutLinear, RowParallelLinear):
     pass
 
 
+class SUPAGateLinear(_DeviceLayoutLinear, GateLinear):
+    pass
+
+
 OOT_LAYERS: list[tuple[type, type]] = [
     (ReplicatedLinear, SUPAReplicatedLinear),
     (ColumnParallelLinear, SUPAColumnParallelLinear),
     (MergedColumnParallelLinear, SUPAMergedColumnParallelLinear),
     (QKVParallelLinear, SUPAQKVParallelLinear),
     (RowParallelLinear, SUPARowParallelLinear),
+    (GateLinear, SUPAGateLinear),
 ]
 
 
