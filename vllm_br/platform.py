@@ -19,6 +19,10 @@ from vllm_br.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
+    from vllm.v1.attention.backends.mla.prefill.selector import (
+        MLAPrefillSelectorConfig,
+    )
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
@@ -29,6 +33,7 @@ SUPA_BLOCK_SIZE = 128
 SUPA_DTYPES = (torch.bfloat16, torch.float32)
 WORKER_CLS = "vllm_br.worker.worker.SUPAWorker"
 ATTN_BACKEND_CLS = "vllm_br.attention.backend.SUPAFlashAttentionBackend"
+MLA_BACKEND_CLS = "vllm_br.attention.mla.SupaFlashMLABackend"
 
 
 def _backend_for_class_attributes() -> device.DeviceBackend:
@@ -160,21 +165,27 @@ class SUPAPlatform(Platform):
         num_heads: int | None = None,
     ) -> str:
         if getattr(attn_selector_config, "use_mla", False):
-            raise SUPAConfigError(
-                "This model uses MLA attention, which SUPAPlatform does not serve "
-                "yet (SupaFlashMLABackend is not built); serve a model with "
-                "standard multi-head or grouped-query attention."
-            )
-        if selected_backend is not None and selected_backend.name not in (
-            "CUSTOM",
-            "SUPA_FLASH_ATTN",
-        ):
-            logger.warning(
-                "Attention backend %s is not available on SUPA; using "
-                "SUPAFlashAttentionBackend.",
-                selected_backend.name,
-            )
+            if getattr(attn_selector_config, "use_sparse", False):
+                raise SUPAConfigError(
+                    "This model uses sparse MLA attention (DeepSeek V3.2 style), "
+                    "which SUPAPlatform does not serve yet; serve a dense MLA "
+                    "model (DeepSeek V2/V3) or one with standard attention."
+                )
+            _warn_unavailable(selected_backend, "SUPA_FLASH_MLA", "SupaFlashMLABackend")
+            return MLA_BACKEND_CLS
+        _warn_unavailable(
+            selected_backend, "SUPA_FLASH_ATTN", "SUPAFlashAttentionBackend"
+        )
         return ATTN_BACKEND_CLS
+
+    @classmethod
+    def get_mla_prefill_backend_cls(
+        cls, mla_selector_config: MLAPrefillSelectorConfig
+    ) -> type[MLAPrefillBackend]:
+        # One fixed MLA prefill path on SUPA: the plugin's ragged attention.
+        from vllm_br.attention.mla import SupaMLAPrefillBackend
+
+        return SupaMLAPrefillBackend
 
     # ---- configuration -----------------------------------------------------
     @classmethod
@@ -254,6 +265,17 @@ class SUPAPlatform(Platform):
     @classmethod
     def is_sleep_mode_available(cls) -> bool:  # type: ignore[override]
         return False
+
+
+def _warn_unavailable(
+    selected_backend: AttentionBackendEnum | None, ours: str, cls_name: str
+) -> None:
+    if selected_backend is not None and selected_backend.name not in ("CUSTOM", ours):
+        logger.warning(
+            "Attention backend %s does not serve this model on SUPA; using %s.",
+            selected_backend.name,
+            cls_name,
+        )
 
 
 def _check_engine_version() -> None:

@@ -287,9 +287,43 @@ def test_get_attn_backend_cls():
     )
 
 
-def test_mla_raises():
-    with pytest.raises(SUPAConfigError, match="MLA") as info:
-        SUPAPlatform.get_attn_backend_cls(None, _selector(use_mla=True))
+def test_mla_selects_supa_flash_mla_and_its_prefill_backend():
+    from vllm.v1.attention.backends.mla.prefill.selector import (
+        MLAPrefillSelectorConfig,
+    )
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_br.attention.mla import SupaFlashMLABackend, SupaMLAPrefillBackend
+
+    expected = "vllm_br.attention.mla.SupaFlashMLABackend"
+    mla = _selector(use_mla=True, head_size=576)
+    assert SUPAPlatform.get_attn_backend_cls(None, mla) == expected
+    assert (
+        SUPAPlatform.get_attn_backend_cls(AttentionBackendEnum.FLASHMLA, mla)
+        == expected
+    )
+    assert AttentionBackendEnum["SUPA_FLASH_MLA"].get_class() is SupaFlashMLABackend
+    assert SupaFlashMLABackend.get_name() == "SUPA_FLASH_MLA"
+    assert SupaFlashMLABackend.is_mla()
+    assert SupaFlashMLABackend.get_supported_kernel_block_sizes() == [128]
+    # Any latent size (the tiny test models use 48), bf16 and fp32.
+    assert not SupaFlashMLABackend.validate_configuration(
+        head_size=48, dtype=torch.float32, kv_cache_dtype="auto", block_size=128,
+        use_mla=True, has_sink=False, use_sparse=False, use_mm_prefix=False,
+        use_per_head_quant_scales=False, device_capability=None,
+        attn_type="decoder",
+    )  # fmt: skip
+    prefill = SUPAPlatform.get_mla_prefill_backend_cls(
+        MLAPrefillSelectorConfig(dtype=torch.bfloat16)
+    )
+    assert prefill is SupaMLAPrefillBackend
+
+
+def test_sparse_mla_raises():
+    with pytest.raises(SUPAConfigError, match="sparse MLA") as info:
+        SUPAPlatform.get_attn_backend_cls(
+            None, _selector(use_mla=True, use_sparse=True)
+        )
     assert _is_one_sentence(str(info.value))
 
 

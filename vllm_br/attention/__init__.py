@@ -1,22 +1,38 @@
 """SUPA attention backends for vLLM.
 
-``register_attention_backends()`` adds ``SUPA_FLASH_ATTN`` to vLLM's
-``AttentionBackendEnum`` (vLLM's Attention layer resolves a backend's
-``get_name()`` through that enum, so the name must be registered in every
-process that builds a model). The general plugin calls it; it is idempotent.
-Importing this package imports no vLLM attention code.
+``register_attention_backends()`` adds ``SUPA_FLASH_ATTN`` and
+``SUPA_FLASH_MLA`` to vLLM's ``AttentionBackendEnum`` (vLLM's attention
+layers resolve a backend's ``get_name()`` through that enum, so the names
+must be registered in every process that builds a model). The general plugin
+calls it; it is idempotent. Importing this package imports no vLLM attention
+code.
 """
 
 from __future__ import annotations
 
 SUPA_FLASH_ATTN = "SUPA_FLASH_ATTN"
 SUPA_FLASH_ATTN_PATH = "vllm_br.attention.backend.SUPAFlashAttentionBackend"
+SUPA_FLASH_MLA = "SUPA_FLASH_MLA"
+SUPA_FLASH_MLA_PATH = "vllm_br.attention.mla.SupaFlashMLABackend"
 
-__all__ = ["SUPA_FLASH_ATTN", "SUPA_FLASH_ATTN_PATH", "register_attention_backends"]
+#: Every backend the plugin registers: enum member name -> class path.
+BACKENDS = {
+    SUPA_FLASH_ATTN: SUPA_FLASH_ATTN_PATH,
+    SUPA_FLASH_MLA: SUPA_FLASH_MLA_PATH,
+}
+
+__all__ = [
+    "BACKENDS",
+    "SUPA_FLASH_ATTN",
+    "SUPA_FLASH_ATTN_PATH",
+    "SUPA_FLASH_MLA",
+    "SUPA_FLASH_MLA_PATH",
+    "register_attention_backends",
+]
 
 
 def register_attention_backends() -> None:
-    """Register ``SUPA_FLASH_ATTN`` -> ``SUPAFlashAttentionBackend`` with vLLM.
+    """Register each of :data:`BACKENDS` with vLLM.
 
     Safe to call any number of times: an existing member keeps (or is pointed
     back at) our class path.
@@ -26,9 +42,10 @@ def register_attention_backends() -> None:
         register_backend,
     )
 
-    if SUPA_FLASH_ATTN in AttentionBackendEnum.__members__:
-        member = AttentionBackendEnum[SUPA_FLASH_ATTN]
-        if member.get_path() != SUPA_FLASH_ATTN_PATH:
-            register_backend(member, SUPA_FLASH_ATTN_PATH)
-        return
-    register_backend(SUPA_FLASH_ATTN, SUPA_FLASH_ATTN_PATH)
+    for name, path in BACKENDS.items():
+        if name in AttentionBackendEnum.__members__:
+            member = AttentionBackendEnum[name]
+            if member.get_path() != path:
+                register_backend(member, path)
+            continue
+        register_backend(name, path)
