@@ -54,6 +54,14 @@ CUDA_STREAM_EVENT_NAMES = (
 # that need a plain-torch implementation on SUPA (no Triton for SUPA).
 SLOT_MAPPING_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
 
+# vLLM 0.33's Ray executor (distributed_executor_backend="ray", RayExecutorV2):
+# the module that creates the worker actors from its global RayWorkerProc, and
+# ray_utils' wait for the workers' placement group (both looked up at call time).
+RAY_EXECUTOR_MODULE = "vllm.v1.executor.ray_executor_v2"
+RAY_WORKER_CLASS = "RayWorkerProc"
+RAY_UTILS_MODULE = "vllm.v1.executor.ray_utils"
+RAY_PLACEMENT_GROUP_WAIT = "_wait_until_pg_ready"
+
 
 # vLLM 0.33's ModelRegistry error for an architecture it does not know; its
 # message lists every supported architecture (thousands of characters).

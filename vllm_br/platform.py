@@ -296,6 +296,12 @@ def _apply_parallel_policy(vllm_config: VllmConfig) -> None:
         logger.warning("Dual-batch overlap is not supported on SUPA; disabled.")
         parallel_config.enable_dbo = False
     parallel_config.disable_custom_all_reduce = True
+    if parallel_config.use_ray:
+        # vLLM's Ray worker asks Ray for device ids it has no SUPA entry for
+        # (patch ledger: ray-executor-supa-devices).
+        from vllm_br.patches import install_ray_executor
+
+        install_ray_executor()
 
 
 def _apply_cache_policy(vllm_config: VllmConfig) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -190,3 +192,121 @@ def test_cpu_accelerator_patch_installs_the_shim_on_cpu(
     patches._APPLY["cpu-torch-accelerator"]()
     assert cpu_accelerator._originals
     torch.accelerator.synchronize()
+
+
+# ---- Ray executor on SUPA devices ------------------------------------------------
+def _one_sentence(msg: str) -> bool:
+    return msg.count(". ") == 0 and msg.endswith(".")
+
+
+@pytest.fixture
+def pristine_ray_executor(monkeypatch):
+    """vLLM's Ray executor with its own worker class for the test (an engine
+    test may have installed the patch in this process); restored after."""
+    from vllm.v1.executor import ray_executor_v2, ray_utils
+
+    from vllm_br.executor import ray_worker
+
+    monkeypatch.setattr(ray_executor_v2, "RayWorkerProc", ray_worker.RayWorkerProc)
+    monkeypatch.setattr(
+        ray_utils, "_wait_until_pg_ready", ray_utils._wait_until_pg_ready
+    )
+    return ray_executor_v2, ray_utils
+
+
+def test_ray_executor_patch_swaps_the_worker_class(pristine_ray_executor):
+    ray_executor_v2, ray_utils = pristine_ray_executor
+    from vllm_br.executor import ray_worker
+
+    patches._APPLY["ray-executor-supa-devices"]()  # the executor module is loaded
+    assert ray_executor_v2.RayWorkerProc is ray_worker.SUPARayWorkerProc
+    assert issubclass(ray_worker.SUPARayWorkerProc, ray_worker.RayWorkerProc)
+    assert "get_node_and_physical_gpu_ids" in vars(ray_worker.SUPARayWorkerProc)
+    wait = ray_utils._wait_until_pg_ready
+    assert getattr(wait, "_vllm_br", False)
+    patches.install_ray_executor()  # idempotent: the wait is wrapped once
+    assert ray_utils._wait_until_pg_ready is wait
+
+
+def test_ray_executor_patch_skips_processes_without_ray(monkeypatch):
+    from vllm_br import compat
+
+    monkeypatch.delitem(sys.modules, compat.RAY_EXECUTOR_MODULE)
+    patches._APPLY["ray-executor-supa-devices"]()
+    assert compat.RAY_EXECUTOR_MODULE not in sys.modules
+
+
+def test_platform_installs_the_ray_patch_for_a_ray_config(
+    pristine_ray_executor, monkeypatch
+):
+    from types import SimpleNamespace
+
+    from vllm_br import platform
+    from vllm_br.executor import ray_worker
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    parallel = SimpleNamespace(
+        worker_cls="auto", enable_dbo=False, disable_custom_all_reduce=False
+    )
+    for use_ray, expected in (
+        (False, ray_worker.RayWorkerProc),
+        (True, ray_worker.SUPARayWorkerProc),
+    ):
+        parallel.use_ray = use_ray
+        platform._apply_parallel_policy(SimpleNamespace(parallel_config=parallel))
+        assert pristine_ray_executor[0].RayWorkerProc is expected
+
+
+def test_ray_node_without_unit_instances_stops_in_one_sentence():
+    from vllm_br.executor import ray_worker
+
+    ray_worker.check_unit_instances("SUPA", None)
+    ray_worker.check_unit_instances("TPU, SUPA", None)
+    ray_worker.check_unit_instances(None, "SUPA")  # ray.init(_system_config=...)
+    for env_value, system_config in ((None, None), ("TPU", "neuron_cores")):
+        with pytest.raises(SUPAConfigError) as e:
+            ray_worker.check_unit_instances(env_value, system_config)
+        msg = str(e.value)
+        assert "RAY_custom_unit_instance_resources=SUPA" in msg and _one_sentence(msg)
+
+
+def test_ray_instance_ids_map_through_supa_visible_devices():
+    from vllm_br.executor import ray_worker
+
+    assert ray_worker.physical_ids([0, 1], None) == [0, 1]
+    assert ray_worker.physical_ids([1], [3, 1]) == [1]
+    assert ray_worker.physical_ids([0], [3, 1]) == [3]
+    for ids, visible, needle in (
+        ([2], [3, 1], """--resources '{"SUPA": 2}'"""),
+        ([], None, "VLLM_RAY_PER_WORKER_GPUS"),
+    ):
+        with pytest.raises(SUPAConfigError) as e:
+            ray_worker.physical_ids(ids, visible)
+        assert needle in str(e.value) and _one_sentence(str(e.value))
+
+
+def test_ray_cluster_without_supa_stops_in_one_sentence():
+    from vllm_br.executor import ray_worker
+
+    ray_worker.check_cluster_has_supa({"CPU": 2.0, "SUPA": 2.0})
+    with pytest.raises(SUPAConfigError) as e:
+        ray_worker.check_cluster_has_supa({"CPU": 2.0, "GPU": 1.0})
+    msg = str(e.value)
+    assert "--resources" in msg and "RAY_custom_unit_instance_resources" in msg
+    assert _one_sentence(msg)
+
+
+def test_worker_opens_the_card_vllm_assigned_to_its_local_rank(monkeypatch):
+    # Ray executor: vLLM gives local rank r the r-th of the node's sorted
+    # card ids; the worker opens that card's visible index.
+    from vllm.platforms import interface
+
+    from vllm_br.worker.worker import _device_index
+
+    monkeypatch.setattr(interface, "_assigned_physical_gpu_ids", None)
+    monkeypatch.delenv("SUPA_VISIBLE_DEVICES", raising=False)
+    assert _device_index(None, 1) == 1  # multiprocessing: the local rank
+    assert _device_index([4, 6], 1) == 6
+    monkeypatch.setattr(interface, "_assigned_physical_gpu_ids", None)  # new process
+    monkeypatch.setenv("SUPA_VISIBLE_DEVICES", "3,1")
+    assert [_device_index([1, 3], r) for r in (0, 1)] == [1, 0]

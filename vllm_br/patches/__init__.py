@@ -8,6 +8,7 @@ applied by the worker and listed here too.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,30 @@ LEDGER: list[Patch] = [
         remove_when="vLLM's CLI reports ValueError from platform checks without a traceback.",
         scope="every process",
     ),
+    Patch(
+        name="ray-executor-supa-devices",
+        target=(
+            "vllm.v1.executor.ray_executor_v2.RayWorkerProc (module global), "
+            "vllm.v1.executor.ray_utils._wait_until_pg_ready"
+        ),
+        why=(
+            "vLLM's Ray worker reads get_accelerator_ids()[ray_device_key] (no "
+            "platform hook), and Ray lists only accelerators it knows, so 'SUPA' "
+            "raises KeyError. The executor creates its actors from the module's "
+            "RayWorkerProc; it is replaced by SUPARayWorkerProc, which reads the "
+            "worker's instance ids of the custom SUPA resource "
+            "(vllm_br/executor/ray_worker.py). The "
+            "placement-group wait stops with one sentence when the cluster has no "
+            "SUPA resource instead of waiting 30 minutes. Installed where vLLM's "
+            "Ray executor is used: by the platform for a config that asks for Ray, "
+            "and in a process that has loaded the executor (the engine core)."
+        ),
+        remove_when=(
+            "vLLM asks the platform for its Ray device ids, or Ray lists custom "
+            "unit-instance resources in get_accelerator_ids()."
+        ),
+        scope="engine core (every process that loaded vLLM's Ray executor)",
+    ),
 ]
 
 
@@ -140,9 +165,28 @@ def _cli_config_error_hook() -> None:
     sys.excepthook = hook
 
 
+def install_ray_executor() -> None:
+    """vLLM's Ray executor on SUPA devices (a config that asks for Ray)."""
+    if importlib.util.find_spec("ray") is None:
+        return  # vLLM stops with its own "requires installation of ray"
+    from vllm_br.executor import ray_worker
+
+    ray_worker.install()
+
+
+def _ray_executor_supa_devices() -> None:
+    # Only where vLLM's Ray executor is loaded (a spawned engine core gets the
+    # executor class from the frontend): importing it imports Ray (~0.3 s).
+    from vllm_br import compat
+
+    if compat.RAY_EXECUTOR_MODULE in sys.modules:
+        install_ray_executor()
+
+
 _APPLY: dict[str, Callable[[], None]] = {
     "cpu-torch-accelerator": _cpu_torch_accelerator,
     "cli-config-error-hook": _cli_config_error_hook,
+    "ray-executor-supa-devices": _ray_executor_supa_devices,
 }
 
 

@@ -31,6 +31,19 @@ from vllm_br.worker.model_runner import SUPAModelRunner, install_stream_aliases
 logger = init_logger(__name__)
 
 
+def _device_index(assigned_physical_ids: list[int] | None, local_rank: int) -> int:
+    """This worker's SUPA device. Where vLLM assigned the node's devices (the
+    Ray executor: the ids Ray gave the workers; data parallelism), the local
+    rank indexes them, mapped through SUPA_VISIBLE_DEVICES; else it is the
+    device itself."""
+    if assigned_physical_ids is None:
+        return local_rank
+    from vllm.platforms.interface import set_assigned_physical_gpu_ids
+
+    set_assigned_physical_gpu_ids(assigned_physical_ids)
+    return current_platform.logical_device_id_to_visible_device_id(local_rank)
+
+
 class SUPAWorker(Worker):
     def init_device(self) -> None:
         backend = get_backend()
@@ -39,7 +52,9 @@ class SUPAWorker(Worker):
             from vllm_br.device import cpu_accelerator
 
             cpu_accelerator.install(backend)
-        index = self.local_rank
+        index = _device_index(
+            self.parallel_config.assigned_physical_gpu_ids, self.local_rank
+        )
         if index >= backend.device_count():
             raise SUPAConfigError(
                 f"Worker {self.rank} needs device supa:{index} but only "
