@@ -213,7 +213,7 @@ def _vllm_processes() -> dict[str, object]:
 
 def test_killed_worker_fails_the_engine_within_60s(moe_tp2, moe_prompts):
     """SIGKILL of TP worker 1 while the engine is generating: the engine core
-    reports the dead worker, the next step raises EngineDeadError, and the
+    reports the failure, the next step raises EngineDeadError, and the
     engine core and both workers are gone within 60 s of the kill."""
     import psutil
     from vllm.inputs import TokensPrompt
@@ -255,10 +255,15 @@ def test_killed_worker_fails_the_engine_within_60s(moe_tp2, moe_prompts):
     exited_after = time.monotonic() - killed_at
     assert not alive, f"still running 60 s after the kill: {alive}"
     print(f"worker killed: error and exit of every engine process {exited_after:.1f} s")
+    # Whichever notices first is reported: the executor's monitor (the dead
+    # worker's exit code) or the surviving worker, whose collective with the
+    # dead one breaks (gloo: connection reset / closed by peer).
     log = moe_tp2.log_path.read_text(errors="replace")
-    assert re.search(r"Worker proc \S+ died unexpectedly \(exit code: -9\)", log), log[
-        -3000:
-    ]
+    assert re.search(
+        r"Worker proc \S+ died unexpectedly \(exit code: -9\)"
+        r"|Worker failed with error .*(Connection reset by peer|Connection closed by peer)",
+        log,
+    ), log[-3000:]
 
 
 # ---- SmolLM2 at TP=3 ---------------------------------------------------------
