@@ -100,6 +100,9 @@ def _path(name: str, raw: str) -> str:
     return raw
 
 
+_text = _path  # any non-empty string, kept as given
+
+
 _VARS: dict[str, EnvVar] = {
     v.name: v
     for v in [
@@ -177,6 +180,16 @@ _VARS: dict[str, EnvVar] = {
             _bool,
             "0 | 1",
             "Form tensor-parallel groups from ranks inside one supernode.",
+        ),
+        EnvVar(
+            "VLLM_BR_SUPERNODE_ID",
+            None,
+            _text,
+            "any name",
+            "This host's supernode, read with VLLM_BR_ENABLE_TP_GROUPS_IN_SUPERNODE=1: "
+            "hosts with the same value share one (their cards are joined by "
+            "B-Link); unset means the host is its own supernode, named by its "
+            "hostname and IP. Set it on every host or on none.",
         ),
         EnvVar(
             "VLLM_SCCL_SO_PATH",

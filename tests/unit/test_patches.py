@@ -310,3 +310,29 @@ def test_worker_opens_the_card_vllm_assigned_to_its_local_rank(monkeypatch):
     monkeypatch.setattr(interface, "_assigned_physical_gpu_ids", None)  # new process
     monkeypatch.setenv("SUPA_VISIBLE_DEVICES", "3,1")
     assert [_device_index([1, 3], r) for r in (0, 1)] == [1, 0]
+
+
+# ---- supernode TP groups (worker) -------------------------------------------------
+def test_supernode_patch_wraps_its_ledger_target_in_the_worker():
+    import importlib
+    import inspect
+
+    from vllm_br.distributed import supernode_groups
+    from vllm_br.worker.worker import SUPAWorker
+
+    entry = {p.name: p for p in patches.LEDGER}["supernode-tp-groups"]
+    assert entry.scope == "worker"
+    module_name, _, attr = entry.target.rpartition(".")
+    module = importlib.import_module(module_name)
+    was_installed = getattr(getattr(module, attr), "_vllm_br", False)
+    supernode_groups.install()
+    try:
+        assert getattr(getattr(module, attr), "_vllm_br", False)
+    finally:
+        if not was_installed:
+            supernode_groups.uninstall()
+    # the worker installs it before vLLM creates its groups
+    source = inspect.getsource(SUPAWorker.init_device)
+    assert source.index("supernode_groups.install()") < source.index(
+        "init_worker_distributed_environment("
+    )

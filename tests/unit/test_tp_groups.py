@@ -7,6 +7,7 @@ import torch
 
 from vllm_br.distributed.tp_groups import (
     contiguous_supernodes,
+    fit_engines,
     rank_order,
     tp_groups,
     vllm_tp_groups,
@@ -93,3 +94,74 @@ def test_refusal_names_the_variable():
 def test_bad_supernode_size():
     with pytest.raises(ValueError):
         contiguous_supernodes(8, 0)
+
+
+# ---- fit_engines: what vLLM's executors assume of global ranks ----------------
+def _stages(order: list[int], stage: int) -> list[list[int]]:
+    return [order[i : i + stage] for i in range(0, len(order), stage)]
+
+
+def test_pp_moves_the_stage_with_the_output_rank_last():
+    # the module docstring's example with PP 2: the executor reads rank 32 - 16
+    supernodes = _hosts([0, 1, 0, 1], 8)
+    order = rank_order(16, supernodes)
+    fitted = fit_engines(order, tp_size=16, pp_size=2)
+    assert _stages(fitted, 16) == [
+        list(range(8, 16)) + list(range(24, 32)),
+        list(range(0, 8)) + list(range(16, 24)),
+    ]
+    assert 16 in fitted[-16:]
+    # the TP groups are the same ones
+    assert sorted(_stages(fitted, 16)) == sorted(_stages(order, 16))
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "supernodes"),
+    [
+        (16, 2, contiguous_supernodes(32, 16)),  # vLLM's layout: already last
+        (2, 1, _hosts([0, 1, 0, 1], 2)),  # PP 1: nothing to move
+        (2, 2, [0, 0, 1, 1, 1, 1, 0, 0]),  # output rank 4 is in the last stage
+    ],
+)
+def test_orders_that_already_fit_are_kept(tp, pp, supernodes):
+    order = rank_order(tp, supernodes)
+    assert fit_engines(order, tp_size=tp, pp_size=pp) == order
+
+
+def test_data_parallel_engines_keep_their_own_ranks():
+    # DP 2 of TP 2 x PP 2: each engine's 4 ranks inside its own supernodes
+    supernodes = [0, 1, 0, 1, 2, 3, 2, 3]
+    order = rank_order(2, supernodes)
+    assert order == [0, 2, 1, 3, 4, 6, 5, 7]
+    fitted = fit_engines(order, tp_size=2, pp_size=2, dp_size=2)
+    assert fitted == [1, 3, 0, 2, 5, 7, 4, 6]
+    grid = torch.tensor(fitted).reshape(-1, 2, 2, 1, 2)  # ExtDP x DP x PP x PCP x TP
+    dp = [x.tolist() for x in grid.transpose(1, 4).reshape(-1, 2).unbind(0)]
+    assert sorted(dp) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # each engine the same slot
+
+
+def test_a_group_across_data_parallel_engines_is_refused():
+    order = rank_order(2, [0, 1, 0, 1])  # [0, 2, 1, 3]: engine 0 is ranks 0, 1
+    with pytest.raises(SUPAConfigError) as e:
+        fit_engines(order, tp_size=2, dp_size=2)
+    msg = str(e.value)
+    assert "two data-parallel engines" in msg and "ranks 0-1" in msg
+    assert "VLLM_BR_ENABLE_TP_GROUPS_IN_SUPERNODE=1" in msg
+    assert msg.endswith(".") and ". " not in msg
+    # without vLLM's DP (external DP replicas) there is no engine to keep
+    assert fit_engines(order, tp_size=2) == order
+
+
+def test_pcp_slice_out_of_rank_order_is_refused():
+    supernodes = _hosts([0, 1, 0, 1, 0, 1], 2)  # 12 ranks, two supernodes of 6
+    order = rank_order(2, supernodes)
+    assert _stages(order, 4)[1] == [8, 9, 2, 3]
+    with pytest.raises(SUPAConfigError, match="--prefill-context-parallel-size 1"):
+        fit_engines(order, tp_size=2, pcp_size=2)
+    # a TP x PCP slice in rank order is served
+    ok = rank_order(2, _hosts([0, 1, 0, 1], 2))  # [0, 1, 4, 5, 2, 3, 6, 7]
+    assert fit_engines(ok, tp_size=2, pcp_size=2) == ok
+
+
+def test_sizes_vllm_refuses_are_left_to_vllm():
+    assert fit_engines([0, 2, 1, 3], tp_size=2, pp_size=3) == [0, 2, 1, 3]

@@ -22,10 +22,25 @@ vLLM's layout. A supernode whose rank count TP does not divide is refused.
 Example, 4 hosts of 8 devices, supernodes {host 0, host 2} and {host 1, host
 3}, TP 16: TP groups are ranks 0-7 + 16-23 and 8-15 + 24-31.
 
-vLLM 0.33 has no extension point for this: ``initialize_model_parallel``
-builds ``torch.arange(world_size)`` inline. Applying ``rank_order`` needs that
-one expression replaced (a patch of that function), or an executor that
-assigns global ranks in this order.
+vLLM's executors assume two things of global ranks that a new order must keep
+(``fit_engines``): each data-parallel engine spawns its own workers, ranks
+d*W .. (d+1)*W - 1 with W = TP x PP x PCP, so with data parallelism no group
+may take ranks of two engines (refused); and each engine takes a step's output
+from its rank W - TP x PCP, taken to be in the last pipeline stage, so with
+PP > 1 the stage holding that rank is moved to the end (stages are whole
+slices of the order: the TP groups stay the same). In the example with PP 2,
+stage 0 is then ranks 8-15 + 24-31 and stage 1 ranks 0-7 + 16-23; a PP group
+then lists a higher rank first, which vLLM's pipeline sends allow (they name
+peers by global rank). With PCP > 1 a TP x PCP slice that is not in ascending
+rank order is refused: the PCP and EP groups' collectives would misread it.
+
+Wiring (``vllm_br/distributed/supernode_groups.py``, ledger patch
+``supernode-tp-groups``): vLLM 0.33's ``initialize_model_parallel`` builds
+``torch.arange(world_size)`` inline, with no extension point; the worker wraps
+that function so, while the variable is set and the order is not
+``range(world_size)``, that one expression yields this order. Every rank's
+supernode comes from ``VLLM_BR_SUPERNODE_ID`` on its host (unset: the host
+alone), gathered over the world group.
 """
 
 from __future__ import annotations
@@ -75,3 +90,47 @@ def tp_groups(tp_size: int, supernode_of_rank: Sequence[int]) -> list[list[int]]
 def vllm_tp_groups(world_size: int, tp_size: int) -> list[list[int]]:
     """vLLM's own layout (the variable unset): consecutive ranks."""
     return [list(range(i, i + tp_size)) for i in range(0, world_size, tp_size)]
+
+
+def fit_engines(
+    order: Sequence[int],
+    *,
+    tp_size: int,
+    pp_size: int = 1,
+    pcp_size: int = 1,
+    dp_size: int = 1,
+) -> list[int]:
+    """``order`` adjusted to what vLLM's executors and communicators assume of
+    global ranks (see the module docstring): with data parallelism a group
+    that would take ranks of two engines is refused, with PCP > 1 a TP x PCP
+    slice out of rank order is refused, and with PP > 1 each engine's
+    pipeline stage that holds its output rank is moved to the end."""
+    order = list(order)
+    stage = tp_size * pcp_size
+    engine = stage * pp_size
+    if engine < 1 or len(order) % engine:
+        return order  # vLLM's own reshape reports the sizes
+    for start in range(0, len(order), engine):
+        block = order[start : start + engine]
+        stages = [block[i : i + stage] for i in range(0, engine, stage)]
+        if pcp_size > 1 and any(s != sorted(s) for s in stages):
+            raise SUPAConfigError(
+                "VLLM_BR_ENABLE_TP_GROUPS_IN_SUPERNODE=1 would list a "
+                "prefill-context-parallel group out of rank order with these "
+                "supernodes, so use --prefill-context-parallel-size 1 or unset "
+                "the variable."
+            )
+        if sorted(block) != list(range(start, start + engine)):
+            if dp_size > 1:
+                raise SUPAConfigError(
+                    "VLLM_BR_ENABLE_TP_GROUPS_IN_SUPERNODE=1 would put ranks of "
+                    f"two data-parallel engines into one group (ranks {start}-"
+                    f"{start + engine - 1} are one engine's workers), so place "
+                    "each data-parallel rank's hosts inside one supernode or "
+                    "unset the variable."
+                )
+            continue  # external DP only: no executor output rank to keep
+        output = start + engine - stage  # the executor's output rank
+        stages.append(stages.pop(block.index(output) // stage))
+        order[start : start + engine] = [r for s in stages for r in s]
+    return order

@@ -55,6 +55,26 @@ LEDGER: list[Patch] = [
         scope="worker",
     ),
     Patch(
+        name="supernode-tp-groups",
+        target="vllm.distributed.parallel_state.initialize_model_parallel",
+        why=(
+            "VLLM_BR_ENABLE_TP_GROUPS_IN_SUPERNODE=1 must keep every TP group "
+            "inside one supernode (VLLM_BR_SUPERNODE_ID per host), but vLLM builds "
+            "its group grid from torch.arange(world_size) inline, with no "
+            "extension point. The worker wraps the function: with the variable "
+            "set, every rank's supernode id is gathered over the world group and, "
+            "when the order from vllm_br/distributed/tp_groups.py is not "
+            "range(world_size), that one torch.arange call yields it, for that "
+            "call only (vllm_br/distributed/supernode_groups.py). Unset, the "
+            "wrapper only calls vLLM's function."
+        ),
+        remove_when=(
+            "vLLM takes the rank order (or a group layout hook) from the platform, "
+            "or the executor assigns global ranks supernode by supernode."
+        ),
+        scope="worker",
+    ),
+    Patch(
         name="slot-mapping-kernel",
         target="vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel",
         why=(

@@ -23,6 +23,7 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_br.device import get_backend
+from vllm_br.distributed import supernode_groups
 from vllm_br.errors import SUPAConfigError
 from vllm_br.logger import init_logger
 from vllm_br.ops.registry import resolve_all
@@ -67,6 +68,9 @@ class SUPAWorker(Worker):
         resolve_all()
         current_platform.check_if_supports_dtype(self.model_config.dtype)
 
+        # Ledger patch supernode-tp-groups (a pass-through while
+        # VLLM_BR_ENABLE_TP_GROUPS_IN_SUPERNODE is unset).
+        supernode_groups.install()
         init_worker_distributed_environment(
             self.vllm_config,
             self.rank,
