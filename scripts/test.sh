@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Set up if needed, then run the default test suite (what CI runs).
-# Extra arguments go to pytest, e.g. scripts/test.sh tests/unit -k envs
+# Set up if needed, then run the default test suite: everything but the
+# `slow` tier (~20 min on 2 cores). Extra arguments go to pytest instead,
+# e.g. scripts/test.sh tests/unit -k envs, or scripts/test.sh -m slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_BR_DEVICE=${VLLM_BR_DEVICE:-cpu}
-exec .venv/bin/python -m pytest "${@:-tests}" -ra
+if [ $# -eq 0 ]; then
+  set -- tests -m "not slow"
+fi
+exec .venv/bin/python -m pytest "$@" -ra

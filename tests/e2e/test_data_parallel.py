@@ -27,7 +27,8 @@ from tests.fixtures.engine import llm_engine, token_ids
 from tests.fixtures.server import vllm_server
 from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
 
-pytestmark = pytest.mark.e2e
+# Slow tier: two vllm serve instances, one with two engines (~70 s).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL_NAME = "tiny-llama"
 LENGTHS = [1, 7, 40, 129, 3, 64, 20, 90]

@@ -115,7 +115,17 @@ def _serve_batches(llm, prompts, logprobs: int | None = None) -> dict[int, list]
     return out
 
 
-@pytest.fixture(scope="module", params=["smollm2", "tiny_qwen3_moe"])
+def _model_modes():
+    """Every mode on the tiny MoE; on SmolLM2 the default (compile) in the
+    default run and the graph modes in the slow tier (~75 s each there)."""
+    for name in ["smollm2", "tiny_qwen3_moe"]:
+        for mode in MODES:
+            slow = name == "smollm2" and mode != "compile"
+            marks = [pytest.mark.slow] if slow else []
+            yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
+
+
+@pytest.fixture(scope="module")
 def model(request):
     name = request.param
     model_dir = request.getfixturevalue(f"{name}_dir")
@@ -132,7 +142,7 @@ def model(request):
     return name, model_dir, prompts, eager
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("model,mode", list(_model_modes()), indirect=["model"])
 def test_graph_mode_matches_eager_float32(model, mode):
     name, model_dir, prompts, eager = model
     compile_mode, asked, served, captured_modes = MODES[mode]
@@ -186,6 +196,7 @@ def test_graphs_follow_logprobs_rule_bfloat16(tiny_qwen3_moe_dir):
         check_logprobs_close(eager[n], graphs[n])
 
 
+@pytest.mark.slow  # two SmolLM2 engines, one compiled (~100 s)
 def test_cpu_default_follows_logprobs_rule_bfloat16(smollm2_dir):
     """The configuration a user gets by default (no -cc, no -O, no
     --enforce-eager) on SmolLM2 in bfloat16: compiled pieces whose fused

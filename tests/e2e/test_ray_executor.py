@@ -22,7 +22,8 @@ from tests.fixtures.engine import llm_engine, token_ids, worker_facts
 from tests.fixtures.ray_cluster import RayHead, ray_device_facts
 from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
 
-pytestmark = pytest.mark.e2e
+# Slow tier: a Ray cluster and two TP=2 engines (~70 s).
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = [3, 40]

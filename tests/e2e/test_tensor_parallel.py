@@ -269,6 +269,7 @@ def test_killed_worker_fails_the_engine_within_60s(moe_tp2, moe_prompts):
 # ---- SmolLM2 at TP=3 ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_smollm2_float32_tp3_matches_tp1(smollm2_dir):
     prompts = _smollm2_prompts(smollm2_dir)
     with llm_engine(smollm2_dir, **SMALL) as llm:
@@ -363,6 +364,7 @@ def _chosen_logprob_diffs(reference, tested) -> tuple[list[float], list[float]]:
     return at_prompt, at_steps
 
 
+@pytest.mark.slow
 def test_bfloat16_tp3_close_to_tp1_and_fp32_allreduce(
     smollm2_dir, monkeypatch, record_property
 ):
