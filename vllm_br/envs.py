@@ -239,8 +239,10 @@ _VARS: dict[str, EnvVar] = {
             "copies of the weights and rounds the result to bfloat16 (what a "
             "bf16 GEMM with float32 accumulation computes; about 20x faster on "
             "hosts without AVX512-BF16/AMX, at twice the weight memory); "
-            "'native' uses torch's bf16 matmul; 'auto' picks 'native' only "
-            "where the host has AVX512-BF16 or AMX.",
+            "'native' uses torch's bf16 matmul; 'auto' uses 'native' where the "
+            "host has AVX512-BF16 or AMX, else keeps the float32 copies and "
+            "multiplies them for GEMMs above 2 rows per thread (LM head: 3), "
+            "the bf16 weights for fewer (decode).",
         ),
         EnvVar(
             "VLLM_BR_KERNEL_CACHE",

@@ -8,8 +8,10 @@ device layout) and of the LM head as the module's ``br_matmul_weight``
 buffer; the ``linear`` and ``compute_logits`` ops multiply in it and round the
 result to bfloat16, which is what a bf16 GEMM with float32 accumulation
 computes. The bfloat16 weights stay (embedding lookups and anything else
-that reads ``weight`` see the model dtype). A card keeps its native dtype,
-and so nothing is attached.
+that reads ``weight`` see the model dtype), and GEMMs of few rows (decode)
+multiply them instead: reading the weight bounds those, and the copy is twice
+the bytes (``vllm_br.ops.matmul.use_fp32_copy``, the measured threshold). A
+card keeps its native dtype, and so nothing is attached.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_br.ops import matmul
 from vllm_br.ops.registry import register_op
 
 UMA = "UMA"
@@ -168,22 +169,20 @@ def linear(
     Each output channel is the same dot product as with the plain weight, so
     the result equals ``F.linear(x, W_logical, b)`` exactly. ``matmul_weight``
     is ``weight`` in a wider dtype (see ``vllm_br.layers.matmul_weights``):
-    the product is then computed in it and rounded to ``x``'s dtype.
+    ``vllm_br.ops.matmul.gemm`` then chooses per call which of the two to
+    multiply, and rounds the product to ``x``'s dtype.
     """
-    if matmul_weight is not None:
-        out_dtype = x.dtype
-        x = x.to(matmul_weight.dtype)
-        weight = matmul_weight
-        bias = None if bias is None else bias.to(matmul_weight.dtype)
-        return linear(x, weight, bias, layout).to(out_dtype)
-    if layout is None:
-        return F.linear(x, weight, bias)
-    to_device, from_device = layout.to_device, layout.from_device
-    if to_device.device != weight.device:
-        to_device, from_device = (
-            to_device.to(weight.device),
-            from_device.to(weight.device),
-        )
-    if bias is not None:
-        bias = bias.index_select(0, to_device)
-    return F.linear(x, weight, bias).index_select(-1, from_device)
+    if layout is not None:
+        to_device, from_device = layout.to_device, layout.from_device
+        if to_device.device != weight.device:
+            to_device, from_device = (
+                to_device.to(weight.device),
+                from_device.to(weight.device),
+            )
+        if bias is not None:
+            bias = bias.index_select(0, to_device)
+    if matmul_weight is None:
+        out = F.linear(x, weight, bias)
+    else:
+        out = matmul.gemm(x, weight, matmul_weight, bias)
+    return out if layout is None else out.index_select(-1, from_device)

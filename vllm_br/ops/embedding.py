@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_br.ops import matmul
 from vllm_br.ops.registry import register_op
 
 
@@ -58,13 +59,12 @@ def compute_logits(
     matmul_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's vocab shard of the logits (unquantized lm_head).
-    ``matmul_weight``: ``weight`` in a wider dtype to compute in; the logits
-    are then rounded to the hidden states' dtype, as without it."""
+    ``matmul_weight``: ``weight`` in a wider dtype; ``matmul.gemm`` chooses
+    per call which of the two to multiply, and the logits are rounded to the
+    hidden states' dtype, as without it."""
     if matmul_weight is None:
         return F.linear(hidden_states, weight, bias)
-    dt = matmul_weight.dtype
-    b = None if bias is None else bias.to(dt)
-    return F.linear(hidden_states.to(dt), matmul_weight, b).to(hidden_states.dtype)
+    return matmul.gemm(hidden_states, weight, matmul_weight, bias, lm_head=True)
 
 
 @register_op("logits_soft_cap_and_scale")
