@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up if needed, then run the default test suite: everything but the
-# `slow` tier (~20 min on 2 cores). Extra arguments go to pytest instead,
+# `slow` tier (20-27 min on 2 cores). Extra arguments go to pytest instead,
 # e.g. scripts/test.sh tests/unit -k envs, or scripts/test.sh -m slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
