@@ -9,8 +9,8 @@ bf16-rounded values for kernel and reference; the kernel rounds probabilities
 and outputs to bf16).
 
 Every test runs twice: on the PyTorch reference ops, and on the cpu backend's
-``paged_attention`` (its C++ decode kernel for the decodes, the reference for
-the prefills), which must meet the same tolerances.
+``paged_attention`` (its C++ kernel for the decodes and causal prefills, the
+reference for the rest), which must meet the same tolerances.
 """
 
 from __future__ import annotations
@@ -445,7 +445,7 @@ def test_fp32_model_with_bf16_kv_cache():
 
 
 # --------------------------------------------------------------------------- #
-# The cpu backend's C++ decode kernel itself
+# The cpu backend's C++ kernels themselves
 # --------------------------------------------------------------------------- #
 
 
@@ -453,11 +453,12 @@ def test_fp32_model_with_bf16_kv_cache():
 KERNEL_ONLY = pytest.mark.parametrize("impl", ["reference"], indirect=True)
 
 
-def _decode_with_kernel(case, **kw):
-    """Run the C++ decode kernel alone on case's decodes; returns (ran, out)."""
+def _with_kernel(case, causal=True, **kw):
+    """Run the C++ attention kernel alone on case's batch; returns
+    ((decodes done, prefills done), out)."""
     plan = make_paged_attention_plan(case.qsl, case.seq_lens_t)
     out = torch.zeros_like(case.query)
-    ran = cpu_pa.decode(
+    done = cpu_pa.attention(
         case.query,
         case.kv_cache,
         case.block_table,
@@ -468,28 +469,72 @@ def _decode_with_kernel(case, **kw):
         kw.get("soft_cap"),
         out,
         plan,
+        causal,
     )
-    return ran, out
+    return done, out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 1), (2, 2)])
 @KERNEL_ONLY
 def test_cpu_kernel_decodes_match_reference(dtype, d, hq, hkv, impl):
     case = Case(SEQ_LENS, [1] * len(SEQ_LENS), hq=hq, hkv=hkv, d=d, dtype=dtype)
-    ran, out = _decode_with_kernel(case)
-    assert ran, "the kernel must take this shape"
+    done, out = _with_kernel(case)
+    assert done == (True, False), "the kernel must take this shape"
     check(case, out, case.reference())
     # Padding rows after the real tokens are not written.
     assert out[case.num_tokens :].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 9, 3), (32, 8, 1), (128, 2, 2), (48, 4, 2)])
+@pytest.mark.parametrize("window", [None, 1, 20, 200])
+@KERNEL_ONLY
+def test_cpu_kernel_prefills_match_reference(dtype, d, hq, hkv, window, impl):
+    """Decodes, whole prefills (one longer than a 16-token tile, ending on and
+    across tile and block edges), a chunked prefill and a prefix hit, in one
+    batch; each token attends only its own causal (windowed) keys."""
+    case = _mixed(dtype, hq=hq, hkv=hkv, d=d, seed=18)
+    done, out = _with_kernel(case, window=window)
+    assert done == (True, True)
+    check(case, out, case.reference(sliding_window=window))
+    assert out[case.num_tokens :].abs().sum() == 0
+
+
+@KERNEL_ONLY
+def test_cpu_kernel_prefill_soft_cap(impl):
+    case = _mixed(torch.bfloat16, hq=4, hkv=2, seed=19)
+    case.query = case.query * 8
+    done, out = _with_kernel(case, soft_cap=5.0, window=100)
+    assert done == (True, True)
+    check(case, out, case.reference(logits_soft_cap=5.0, sliding_window=100))
+
+
+@KERNEL_ONLY
+def test_cpu_kernel_leaves_non_causal_prefills_to_the_reference(impl):
+    case = _mixed(hq=4, hkv=2, seed=20)
+    done, out = _with_kernel(case, causal=False)
+    assert done == (True, False)
+    # Only the decode rows were written.
+    qlens = [int(x) for x in case.qsl[1:] - case.qsl[:-1]]
+    prefill_rows = [
+        t
+        for r, q in enumerate(qlens)
+        if q > 1
+        for t in range(int(case.qsl[r]), int(case.qsl[r]) + q)
+    ]
+    assert out[prefill_rows].abs().sum() == 0
+    # paged_attention then runs those on the reference: the whole batch matches.
+    case.impl = staticmethod(cpu_pa.paged_attention)
+    check(case, case.run(causal=False), case.reference(causal=False))
+
+
 @KERNEL_ONLY
 def test_cpu_kernel_declines_unsupported_head_size(impl):
     case = Case([40, 300], [1, 1], hq=4, hkv=2, d=24)
-    ran, out = _decode_with_kernel(case)
-    assert not ran and out.abs().sum() == 0
+    done, out = _with_kernel(case)
+    assert done == (False, False) and out.abs().sum() == 0
     # paged_attention then falls back to the reference decode.
     case.impl = staticmethod(cpu_pa.paged_attention)
     check(case, case.run(), case.reference())
@@ -504,10 +549,33 @@ def test_cpu_kernel_clamps_stale_rows(impl):
     case.block_table[0, :] = torch.tensor(
         [-5, 10**6] + [3] * (case.block_table.shape[1] - 2)
     )
-    ran, out = _decode_with_kernel(case)
-    assert ran
+    done, out = _with_kernel(case)
+    assert done == (True, False)
     assert torch.isfinite(out[:2]).all()
     assert out[1].abs().sum() == 0  # seq_len 0: zeros, like the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "BLHNC"])
+@KERNEL_ONLY
+def test_cpu_kernel_cache_write_equals_reference(dtype, layout, impl):
+    hkv, d = 3, 64
+    cache = make_layer_cache(4, hkv, 2 * d, dtype, layout)
+    expect = cache.clone()
+    # Strided key/value (views of a fused qkv, as the model hands them) and
+    # padding rows and slots.
+    qkv = torch.randn(7, 5 * hkv * d).to(dtype)
+    key = qkv[:, : hkv * d].view(7, hkv, d)
+    value = qkv[:, 2 * hkv * d : 3 * hkv * d].view(7, hkv, d)
+    slots = torch.tensor([3 * BLOCK_SIZE + 5, -1, 127, 128, 2 * BLOCK_SIZE, -1])
+    reshape_and_cache(key, value, expect, slots)
+    cpu_pa.reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache, expect)
+    # A float32 key into a bf16 cache takes the reference (it rounds on write).
+    if dtype == torch.bfloat16:
+        k32, v32 = torch.randn(1, hkv, d), torch.randn(1, hkv, d)
+        cpu_pa.reshape_and_cache(k32, v32, cache, torch.tensor([130]))
+        assert torch.equal(cache[1, :, 2, :d], k32[0].bfloat16())
 
 
 @KERNEL_ONLY
@@ -520,3 +588,4 @@ def test_cpu_kernels_can_be_switched_off(monkeypatch, impl):
         monkeypatch.delenv("VLLM_BR_CPU_KERNELS")
         cpu_kernels.load_library.cache_clear()
     assert "paged_attention" in cpu_kernels.fused_kernels()
+    assert "reshape_and_cache" in cpu_kernels.fused_kernels()

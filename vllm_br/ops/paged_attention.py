@@ -441,7 +441,7 @@ def paged_attention(
     output: torch.Tensor | None = None,
     plan: PagedAttentionPlan | None = None,
     use_sdpa: bool = True,
-    decode_kernel: Callable[..., bool] | None = None,
+    kernel: Callable[..., tuple[bool, bool]] | None = None,
 ) -> torch.Tensor:
     """Attention of every request's new query tokens over its paged K/V.
 
@@ -466,11 +466,11 @@ def paged_attention(
         plan: the step's :class:`PagedAttentionPlan`; built here (one host
             sync) when None.
         use_sdpa: False forces the explicit float32 path.
-        decode_kernel: a device kernel for the decodes, called as
-            ``decode_kernel(query, kv_cache, block_table, seq_lens, scale,
-            num_kv_heads, window, logits_soft_cap, out3, plan)``; it returns
-            False (having written nothing) where it does not apply, and the
-            reference then runs. Prefills always run the reference.
+        kernel: a device kernel, called as ``kernel(query, kv_cache,
+            block_table, seq_lens, scale, num_kv_heads, window,
+            logits_soft_cap, out3, plan, causal)``; it returns (decodes done,
+            prefills done), having written nothing for a part it does not
+            take, and the reference runs that part.
 
     Returns:
         ``output``.
@@ -523,9 +523,9 @@ def paged_attention(
         return k, v, m
 
     # ---- decodes: [num_decodes, H, 1, S] ---------------------------------- #
-    nd = plan.num_decodes
-    if nd and decode_kernel is not None:
-        if decode_kernel(
+    nd, npf = plan.num_decodes, plan.num_prefills
+    if (nd or npf) and kernel is not None:
+        decodes_done, prefills_done = kernel(
             query,
             kv_cache,
             block_table,
@@ -536,8 +536,10 @@ def paged_attention(
             logits_soft_cap,
             out3,
             plan,
-        ):
-            nd = 0
+            causal,
+        )
+        nd = 0 if decodes_done else nd
+        npf = 0 if prefills_done else npf
     if nd:
         if plan.decode_reqs is None:
             q = query[:nd]
@@ -571,7 +573,6 @@ def paged_attention(
             out3.index_copy_(0, plan.decode_tokens, o.to(out3.dtype))
 
     # ---- prefills: padded [num_prefills, H, max_q, S], query-chunked ------- #
-    npf = plan.num_prefills
     if npf:
         preqs = plan.prefill_reqs
         tok_req = plan.prefill_token_req

@@ -1,5 +1,15 @@
-"""``paged_attention`` on the cpu backend: the C++ decode kernel for every
-decode (query length 1) and the reference for the rest of the batch."""
+"""``paged_attention`` and ``reshape_and_cache`` on the cpu backend: the C++
+kernels (``paged_attention.cpp``) where they apply, the references elsewhere.
+
+The attention kernel takes every decode and, for causal attention, every
+prefill (chunked prefill and prefix-cache hits included) of a step. Its work
+list is a table of tiles: up to :data:`TILE_TOKENS` consecutive query tokens
+of one request, built once per step from the step's plan and kept in it, so
+the layers share it. A tile names its request, first token row, the
+request's query length and the tile's offset in that query; the kernel reads
+each token's position from the device ``seq_lens`` when it runs, so a plan
+kept by a graph replay stays valid.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +20,62 @@ import torch
 
 from vllm_br.device.cpu_kernels import load_library
 from vllm_br.ops.paged_attention import PagedAttentionPlan
-from vllm_br.ops.paged_attention import paged_attention as reference
+from vllm_br.ops.paged_attention import paged_attention as reference_attention
+from vllm_br.ops.paged_attention import reshape_and_cache as reference_cache_write
 
 _DTYPES = (torch.bfloat16, torch.float32)
+#: Query tokens per prefill tile: their rows share each K row the kernel reads.
+TILE_TOKENS = 16
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _tiles(plan: PagedAttentionPlan, prefills: bool) -> torch.Tensor:
+    """int32 ``[num_tiles, 5]``: (request, first token row, query length,
+    offset in the query, tokens) for the decodes and, with ``prefills``, the
+    prefills split into tiles of at most ``TILE_TOKENS`` tokens."""
+    key = ("cpu_kernel_tiles", prefills)
+    cached = plan._cache.get(key)
+    if cached is not None:
+        return cached
+    parts = []
+    nd = plan.num_decodes
+    if nd:
+        reqs = torch.arange(nd) if plan.decode_reqs is None else plan.decode_reqs
+        toks = torch.arange(nd) if plan.decode_tokens is None else plan.decode_tokens
+        ones = torch.ones(nd, dtype=torch.long)
+        zeros = torch.zeros(nd, dtype=torch.long)
+        parts.append(torch.stack([reqs.cpu(), toks.cpu(), ones, zeros, ones], 1))
+    if prefills and plan.num_prefills:
+        qlens = plan.prefill_query_lens.cpu()
+        starts = torch.cumsum(qlens, 0) - qlens  # in the packed prefill tokens
+        if plan.prefill_tokens is None:
+            first_rows = starts + plan.prefill_token_start
+        else:
+            first_rows = plan.prefill_tokens.cpu()[starts]
+        per_req = (qlens + TILE_TOKENS - 1) // TILE_TOKENS
+        req_of_tile = torch.repeat_interleave(torch.arange(qlens.numel()), per_req)
+        tile_starts = torch.cumsum(per_req, 0) - per_req
+        offset = (torch.arange(int(per_req.sum())) - tile_starts[req_of_tile]) * (
+            TILE_TOKENS
+        )
+        qlen = qlens[req_of_tile]
+        parts.append(
+            torch.stack(
+                [
+                    plan.prefill_reqs.cpu()[req_of_tile],
+                    first_rows[req_of_tile] + offset,
+                    qlen,
+                    offset,
+                    (qlen - offset).clamp(max=TILE_TOKENS),
+                ],
+                1,
+            )
+        )
+    tiles = torch.cat(parts).to(torch.int32).contiguous()
+    plan._cache[key] = tiles
+    return tiles
 
 
-def _index(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(torch.int64).contiguous()
-
-
-def decode(
+def attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -34,9 +86,10 @@ def decode(
     logits_soft_cap: float | None,
     out: torch.Tensor,
     plan: PagedAttentionPlan,
-) -> bool:
-    """Attention of the plan's decodes into ``out`` ``[T, H, Dv]``; False
-    (nothing written) where the kernel does not apply."""
+    causal: bool | torch.Tensor,
+) -> tuple[bool, bool]:
+    """Attention of the plan's decodes and (causal) prefills into ``out``
+    ``[T, H, Dv]``; returns (decodes done, prefills done)."""
     dtype = query.dtype
     lib = load_library()
     if (
@@ -49,16 +102,20 @@ def decode(
         or kv_cache.stride(-1) != 1
         or out.stride(-1) != 1
     ):
-        return False
+        return False, False
+    # A decode's query is its sequence's last token, so causality does not
+    # change it; prefills are causal-only here.
+    prefills = plan.num_prefills > 0 and causal is True
+    tiles = _tiles(plan, prefills)
+    if tiles.numel() == 0:
+        return False, False
     num_blocks, _, block_size, content = kv_cache.shape
     _, num_heads, head_size = query.shape
     bt = block_table.to(torch.int32)
     if bt.stride(-1) != 1:
         bt = bt.contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
-    req = _index(plan.decode_reqs)
-    tok = _index(plan.decode_tokens)
-    ran = lib.vllm_br_paged_attention_decode(
+    ran = lib.vllm_br_paged_attention(
         dtype == torch.bfloat16,
         query.data_ptr(),
         query.stride(0),
@@ -72,9 +129,9 @@ def decode(
         bt.shape[1],
         num_blocks,
         sl.data_ptr(),
-        _ptr(req),
-        _ptr(tok),
-        plan.num_decodes,
+        tiles.data_ptr(),
+        tiles.shape[0],
+        TILE_TOKENS,
         num_heads,
         num_kv_heads,
         head_size,
@@ -88,9 +145,64 @@ def decode(
         out.stride(1),
         torch.get_num_threads(),
     )
-    return bool(ran)
+    if not ran:
+        return False, False
+    return plan.num_decodes > 0, prefills
 
 
 paged_attention = functools.update_wrapper(
-    functools.partial(reference, decode_kernel=decode), reference
+    functools.partial(reference_attention, kernel=attention), reference_attention
 )
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The reference's cache write (same arguments) as one C++ loop: no host
+    sync, no temporary tensors."""
+    lib = load_library()
+    n = slot_mapping.shape[0]
+    if (
+        lib is None
+        or key.dtype != kv_cache.dtype
+        or value.dtype != kv_cache.dtype
+        or kv_cache.dtype not in _DTYPES
+        or key.device.type != "cpu"
+        or key.stride(-1) != 1
+        or value.stride(-1) != 1
+        or kv_cache.stride(-1) != 1
+        or key.shape[0] < n
+        or value.shape[0] < n
+    ):
+        return reference_cache_write(key, value, kv_cache, slot_mapping)
+    if n == 0 or kv_cache.numel() == 0:
+        return None
+    num_blocks, num_kv_heads, block_size, content = kv_cache.shape
+    head_size = key.shape[-1]
+    assert key.shape[-2] == num_kv_heads, (key.shape, kv_cache.shape)
+    assert head_size + value.shape[-1] == content, (key.shape, value.shape, content)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    lib.vllm_br_reshape_and_cache(
+        kv_cache.element_size(),
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        slots.data_ptr(),
+        n,
+        kv_cache.data_ptr(),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        num_kv_heads,
+        head_size,
+        value.shape[-1],
+        block_size,
+        num_blocks,
+    )
+    return None

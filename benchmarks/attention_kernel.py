@@ -1,0 +1,98 @@
+"""The cpu backend's C++ paged attention against the reference op, side by side.
+
+    .venv/bin/python benchmarks/attention_kernel.py [--threads 2] [--repeats 5]
+
+Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head size 64, bf16)
+at W1's two phases: a batch-64 decode over 100-380 cached tokens, and 16
+whole prompts of 32-256 tokens (one prefill step). For each, the two
+implementations alternate for ``--repeats`` rounds on the same inputs; the
+median milliseconds per call and their ratio are printed. The inputs and
+the reference come from the unit test's ``Case`` (tests/unit), so what is
+timed is what the tests check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
+
+from test_paged_attention import Case  # noqa: E402
+
+from vllm_br.device.cpu_kernels import paged_attention as cpu_pa  # noqa: E402
+from vllm_br.ops.paged_attention import (  # noqa: E402
+    make_paged_attention_plan,
+    paged_attention,
+)
+
+
+def _case(kind: str) -> Case:
+    rng = random.Random(0)
+    if kind == "decode":
+        lens = [rng.randint(100, 380) for _ in range(64)]
+        qlens = [1] * 64
+    else:
+        lens = [rng.randint(32, 256) for _ in range(16)]
+        qlens = lens
+    return Case(lens, qlens, hq=9, hkv=3, d=64, dtype=torch.bfloat16, pad_tokens=0)
+
+
+def _time(fn, calls: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for kind, calls in (("decode", 20), ("prefill", 2)):
+        case = _case(kind)
+        plan = make_paged_attention_plan(case.qsl, case.seq_lens_t)
+        times: dict[str, list[float]] = {"reference": [], "kernel": []}
+        for _ in range(args.repeats):
+            for name, op in (
+                ("reference", paged_attention),
+                ("kernel", cpu_pa.paged_attention),
+            ):
+                out = torch.zeros_like(case.query)
+
+                def call(op=op, out=out, case=case, plan=plan):
+                    op(
+                        case.query,
+                        case.kv_cache,
+                        case.block_table,
+                        case.seq_lens_t,
+                        case.qsl,
+                        case.scale,
+                        case.hkv,
+                        max_query_len=max(case.query_lens),
+                        max_seq_len=max(case.seq_lens),
+                        output=out,
+                        plan=plan,
+                    )
+
+                times[name].append(_time(call, calls))
+        ref, ker = (statistics.median(times[k]) for k in ("reference", "kernel"))
+        print(
+            f"{kind:8s} reference {ref:9.3f} ms  kernel {ker:8.3f} ms  "
+            f"reference/kernel = {ref / ker:.2f}  (threads {args.threads}, "
+            f"median of {args.repeats})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,498 @@
+// Paged attention and KV-cache write for the cpu backend.
+//
+// Attention: the reference (vllm_br/ops/paged_attention.py) gathers K/V into
+// padded tensors and runs PyTorch's flash kernel with a mask; at decode shapes
+// (a handful of query rows per KV head) that is mostly per-head overhead, and
+// prefills pay for the padding. This kernel reads K/V straight from the cache
+// blocks through the block table and computes in float32: scores, softmax and
+// the PV sum are float32, with one rounding of the output to the model dtype.
+//
+// Work comes as tiles: up to 16 consecutive query tokens of one request (a
+// decode is a tile of one token). Token i of a request with query length q
+// and sequence length L sits at position L - q + i and attends the keys at
+// positions <= its own (causal), and > position - window with a sliding
+// window. A work item is (tile, KV head); its rows are the tile's tokens times
+// the G query heads sharing that KV head, so each K row is converted once and
+// used by every row. OpenMP splits the items; the process's libgomp (torch's)
+// is shared, so there is one thread pool.
+//
+// Layout: the cache is one layer's [num_blocks, num_kv_heads, block_size,
+// head_size + head_size_v] view given by its strides (last dim contiguous); K
+// is [..., :head_size], V is [..., head_size:].
+//
+// Vectors are GCC vector extensions: 16 floats (one AVX-512 register, two on
+// AVX2) for head sizes that are multiples of 32, else 8. A head is handled in
+// chunks of two vectors: a bfloat16 chunk is loaded as 32-bit words whose low
+// halves (shifted up) are the even elements and whose masked high halves are
+// the odd ones, so converting costs two instructions; queries are stored in
+// the same even/odd order, and the PV accumulators are re-interleaved at the
+// end.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+template <typename V>
+struct Lanes;
+template <>
+struct Lanes<f32x8> {
+  using U = u32x8;
+  static constexpr int W = 8;
+};
+template <>
+struct Lanes<f32x16> {
+  using U = u32x16;
+  static constexpr int W = 16;
+};
+
+inline float hsum(f32x4 v) {
+  const f32x4 s = v + __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  return s[0] + s[1];
+}
+inline float hsum(f32x8 v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3) +
+              __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+inline float hsum(f32x16 v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// The sums of four vectors: three shuffle-and-add rounds instead of four
+// separate horizontal sums.
+inline void hsum4(const f32x8 (&v)[4], float* out) {
+  const f32x8 a = __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(v[0], v[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  const f32x8 b = __builtin_shufflevector(v[2], v[3], 0, 1, 2, 3, 8, 9, 10, 11) +
+                  __builtin_shufflevector(v[2], v[3], 4, 5, 6, 7, 12, 13, 14, 15);
+  const f32x8 c = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+                  __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+  const f32x8 d = c + __builtin_shufflevector(c, c, 1, 0, 3, 2, 5, 4, 7, 6);
+  for (int i = 0; i < 4; ++i) out[i] = d[2 * i];
+}
+inline void hsum4(const f32x16 (&v)[4], float* out) {
+  f32x8 h[4];
+  for (int i = 0; i < 4; ++i)
+    h[i] = __builtin_shufflevector(v[i], v[i], 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v[i], v[i], 8, 9, 10, 11, 12, 13, 14, 15);
+  hsum4(h, out);
+}
+
+// One chunk (2 * W values) of a row as two float vectors.
+template <typename V>
+inline void load_chunk(const uint16_t* p, V& a, V& b) {
+  typename Lanes<V>::U w;
+  std::memcpy(&w, p, sizeof(w));
+  // Even elements: low halves shifted up; odd: high halves masked.
+  const typename Lanes<V>::U lo = w << 16, hi = w & 0xFFFF0000u;
+  std::memcpy(&a, &lo, sizeof(V));
+  std::memcpy(&b, &hi, sizeof(V));
+}
+template <typename V>
+inline void load_chunk(const float* p, V& a, V& b) {  // fp32: plain order
+  std::memcpy(&a, p, sizeof(V));
+  std::memcpy(&b, p + Lanes<V>::W, sizeof(V));
+}
+
+// Element e of a chunk sits at (vector, lane) = chunk_slot(e).
+template <typename T, int W>
+inline int chunk_slot(int e) {  // returns vector * W + lane
+  if constexpr (sizeof(T) == 2) return (e & 1) * W + (e >> 1);
+  return e;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float* p, float f) { *p = f; }
+inline void store(uint16_t* p, float f) {  // round to nearest even, like torch
+  if (std::isnan(f)) {
+    *p = 0x7FC0;
+    return;
+  }
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp(x) for x <= 0 (softmax after subtracting the max), 16 lanes at a time:
+// Cephes' expf polynomial (about 1 ulp) with the exponent rounded to nearest
+// by the float magic-number trick, so every step stays in vector registers.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lo = f32x16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to integer
+  const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+  f32x16 r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  f32x16 y = f32x16{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// In place: x[j] = exp(x[j] - max) for j < n; returns the sum.
+inline float softmax_numerators(float* x, int n) {
+  float m = x[0];
+  int j = 0;
+  if (n >= 16) {
+    f32x16 mv;
+    std::memcpy(&mv, x, sizeof(mv));
+    for (j = 16; j + 16 <= n; j += 16) {
+      f32x16 v;
+      std::memcpy(&v, x + j, sizeof(v));
+      mv = v > mv ? v : mv;
+    }
+    for (int l = 0; l < 16; ++l) m = mv[l] > m ? mv[l] : m;
+  }
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  f32x16 sv = {};
+  for (j = 0; j + 16 <= n; j += 16) {
+    f32x16 v;
+    std::memcpy(&v, x + j, sizeof(v));
+    v = exp_nonpositive(v - m);
+    std::memcpy(x + j, &v, sizeof(v));
+    sv += v;
+  }
+  float sum = 0.0f;
+  if (j < n) {  // the tail through one masked-off vector
+    f32x16 v = f32x16{} - 1e30f;
+    std::memcpy(&v, x + j, sizeof(float) * (n - j));
+    v = exp_nonpositive(v - m);
+    std::memcpy(x + j, &v, sizeof(float) * (n - j));
+    for (int l = 0; l < n - j; ++l) sum += v[l];
+  }
+  for (int l = 0; l < 16; ++l) sum += sv[l];
+  return sum;
+}
+
+inline int64_t block_id(int32_t b, int32_t num_blocks) {
+  return b < 0 ? 0 : (b >= num_blocks ? num_blocks - 1 : b);
+}
+
+// Fields of one tile in the int32 [num_tiles, 5] table.
+enum { TILE_REQ, TILE_TOKEN, TILE_QUERY_LEN, TILE_FIRST, TILE_TOKENS, TILE_FIELDS };
+constexpr int MAX_TILE_TOKENS = 16;
+constexpr int MAX_ROWS = 64 * MAX_TILE_TOKENS;
+
+struct Args {
+  const void* q;
+  int64_t q_st, q_sh;
+  const void* cache;
+  int64_t c_sb, c_sh, c_sn;
+  const int32_t* bt;
+  int64_t bt_st;
+  int32_t bt_width, num_blocks;
+  const int32_t* seq_lens;
+  const int32_t* tiles;
+  int32_t num_tiles, num_heads, num_kv_heads, head_size, block_size;
+  float scale, soft_cap;
+  int32_t window;
+  void* out;
+  int64_t o_st, o_sh;
+  int32_t num_threads;
+};
+
+// V: vector type; NC: chunks of 2 * W values per head (compile time, so a K
+// row stays in registers while every row of the tile reads it); RG: rows
+// accumulated together in the PV pass (their accumulators stay in registers).
+template <typename T, typename V, int NC, int RG>
+void attend(const Args& a) {
+  constexpr int W = Lanes<V>::W;
+  constexpr int D = 2 * W * NC;
+  const int G = a.num_heads / a.num_kv_heads;
+  const T* q = static_cast<const T*>(a.q);
+  const T* cache = static_cast<const T*>(a.cache);
+  T* out = static_cast<T*>(a.out);
+  const int64_t items = static_cast<int64_t>(a.num_tiles) * a.num_kv_heads;
+  const int bs = a.block_size;
+  const bool capped = a.soft_cap > 0.0f;
+#pragma omp parallel num_threads(a.num_threads)
+  {
+    std::vector<float> qf, s;
+    std::vector<int> row_lo(MAX_ROWS), row_hi(MAX_ROWS);
+    std::vector<float> inv(MAX_ROWS);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int32_t* tile = a.tiles + (it / a.num_kv_heads) * TILE_FIELDS;
+      const int h = static_cast<int>(it % a.num_kv_heads);
+      const int64_t r = tile[TILE_REQ];
+      const int nt = tile[TILE_TOKENS];
+      const int rows = nt * G;
+      // A sequence never outgrows its block-table row; clamping (and the
+      // block ids) keeps stale padding rows of a graph replay in bounds.
+      const int L = std::min(a.seq_lens[r], a.bt_width * bs);
+      const int pos0 = L - tile[TILE_QUERY_LEN] + tile[TILE_FIRST];
+      // Token t attends keys [lo_t, hi_t); the tile reads [k0, k1).
+      auto lo_of = [&](int t) {
+        const int hi = std::max(pos0 + t + 1, 0);
+        return a.window > 0 ? std::max(hi - a.window, 0) : 0;
+      };
+      const int k0 = lo_of(0), k1 = std::max(pos0 + nt, 0);
+      const int n = k1 - k0;
+      const int64_t tok0 = tile[TILE_TOKEN];
+      if (n <= 0) {  // padding rows: zeros, like the reference's masked rows
+        for (int t = 0; t < nt; ++t)
+          for (int g = 0; g < G; ++g) {
+            T* o = out + (tok0 + t) * a.o_st + (int64_t(h) * G + g) * a.o_sh;
+            for (int d = 0; d < D; ++d) store(o + d, 0.0f);
+          }
+        continue;
+      }
+      // Queries (scaled, unless the soft cap needs raw scores) in chunk order.
+      qf.resize(static_cast<size_t>(rows) * D);
+      const float qmul = capped ? 1.0f : a.scale;
+      for (int t = 0; t < nt; ++t)
+        for (int g = 0; g < G; ++g) {
+          const T* src = q + (tok0 + t) * a.q_st + (int64_t(h) * G + g) * a.q_sh;
+          float* dst = qf.data() + static_cast<size_t>(t * G + g) * D;
+          for (int e = 0; e < D; ++e)
+            dst[(e / (2 * W)) * 2 * W + chunk_slot<T, W>(e % (2 * W))] =
+                to_float(src[e]) * qmul;
+        }
+      // Row (t, g) is row t * G + g; its scores are s[row * n + key - k0].
+      // One extra row of zeros pads the last PV group.
+      s.assign(static_cast<size_t>(rows + 1) * n, 0.0f);
+      for (int t = 0; t < nt; ++t)
+        for (int g = 0; g < G; ++g) {
+          row_lo[t * G + g] = lo_of(t) - k0;
+          row_hi[t * G + g] = std::max(pos0 + t + 1, 0) - k0;
+        }
+
+      const int32_t* btr = a.bt + r * a.bt_st;
+      const T* kbase = cache + int64_t(h) * a.c_sh;
+      // Pass 1: scores. A K row in registers, every row that sees that key.
+      auto row_at = [&](const T* base, int k) {
+        return base + block_id(btr[k / bs], a.num_blocks) * a.c_sb +
+               int64_t(k % bs) * a.c_sn;
+      };
+      // One head's K|V of consecutive tokens are a whole token's heads apart:
+      // too sparse for the hardware prefetcher, so fetch a few keys ahead.
+      // Pass 1 fetches V with K (they are adjacent), so pass 2 reads it from
+      // cache.
+      constexpr int AHEAD = 12;
+      auto prefetch_span = [&](const T* base, int k, int values) {
+        const char* p = reinterpret_cast<const char*>(row_at(base, k));
+        for (int off = 0; off < int(sizeof(T)) * values; off += 64)
+          __builtin_prefetch(p + off);
+      };
+      auto prefetch = [&](const T* base, int k) { prefetch_span(base, k, D); };
+      auto prefetch_kv = [&](int k) { prefetch_span(kbase, k, 2 * D); };
+      int k = k0;
+      // Four keys at a time where their K rows fit in registers: each row's
+      // four dot products share one reduction. Rows that see only some of
+      // the four get scores for the others too; softmax zeroes those.
+      if constexpr (NC <= 2) {
+        for (; k + 4 <= k1; k += 4) {
+          for (int i = 0; i < 4; ++i)
+            if (k + i + AHEAD < k1) prefetch_kv(k + i + AHEAD);
+          V ka[4][NC], kb[4][NC];
+          for (int i = 0; i < 4; ++i)
+            for (int c = 0; c < NC; ++c)
+              load_chunk(row_at(kbase, k + i) + 2 * W * c, ka[i][c], kb[i][c]);
+          const int t_lo = std::max(0, k - pos0);
+          const int t_hi =
+              a.window > 0 ? std::min(nt, k + 3 - pos0 + a.window) : nt;
+          for (int row = t_lo * G; row < t_hi * G; ++row) {
+            const float* qr = qf.data() + static_cast<size_t>(row) * D;
+            V sum[4] = {};
+            for (int c = 0; c < NC; ++c) {
+              V qa, qb;
+              std::memcpy(&qa, qr + 2 * W * c, sizeof(V));
+              std::memcpy(&qb, qr + 2 * W * c + W, sizeof(V));
+              for (int i = 0; i < 4; ++i) sum[i] += ka[i][c] * qa + kb[i][c] * qb;
+            }
+            hsum4(sum, s.data() + static_cast<size_t>(row) * n + (k - k0));
+          }
+        }
+      }
+      for (; k < k1; ++k) {
+        if (k + AHEAD < k1) prefetch_kv(k + AHEAD);
+        const T* kp = row_at(kbase, k);
+        V ka[NC], kb[NC];
+        for (int c = 0; c < NC; ++c) load_chunk(kp + 2 * W * c, ka[c], kb[c]);
+        // Tokens whose window holds key k: pos0 + t >= k and, with a window,
+        // pos0 + t - window < k.
+        const int t_lo = std::max(0, k - pos0);
+        const int t_hi = a.window > 0 ? std::min(nt, k - pos0 + a.window) : nt;
+        const int j = k - k0;
+        for (int row = t_lo * G; row < t_hi * G; ++row) {
+          const float* qr = qf.data() + static_cast<size_t>(row) * D;
+          V sum = {};
+          for (int c = 0; c < NC; ++c) {
+            V qa, qb;
+            std::memcpy(&qa, qr + 2 * W * c, sizeof(V));
+            std::memcpy(&qb, qr + 2 * W * c + W, sizeof(V));
+            sum += ka[c] * qa + kb[c] * qb;
+          }
+          s[static_cast<size_t>(row) * n + j] = hsum(sum);
+        }
+      }
+      // Softmax per row over its own keys; the rest of the row becomes 0.
+      for (int row = 0; row < rows; ++row) {
+        float* sr = s.data() + static_cast<size_t>(row) * n;
+        const int lo = row_lo[row], hi = std::max(row_hi[row], row_lo[row]);
+        std::fill(sr, sr + lo, 0.0f);
+        std::fill(sr + hi, sr + n, 0.0f);
+        if (hi == lo) {
+          inv[row] = 0.0f;
+          continue;
+        }
+        if (capped)
+          for (int j = lo; j < hi; ++j)
+            sr[j] = std::tanh(sr[j] * a.scale / a.soft_cap) * a.soft_cap;
+        inv[row] = 1.0f / softmax_numerators(sr + lo, hi - lo);
+      }
+      // Pass 2: probabilities times V, RG rows at a time so their
+      // accumulators stay in registers while a V row is read once.
+      const T* vbase = kbase + D;
+      for (int row0 = 0; row0 < rows; row0 += RG) {
+        const float* p[RG];
+        int lo = n, hi = 0;
+        for (int i = 0; i < RG; ++i) {
+          const int row = row0 + i < rows ? row0 + i : rows;  // rows: zeros
+          p[i] = s.data() + static_cast<size_t>(row) * n;
+          if (row < rows) {
+            lo = std::min(lo, row_lo[row]);
+            hi = std::max(hi, row_hi[row]);
+          }
+        }
+        V acc_a[RG][NC] = {}, acc_b[RG][NC] = {};
+        for (int j = lo; j < hi; ++j) {
+          const int k = k0 + j;
+          if (j + AHEAD < hi) prefetch(vbase, k + AHEAD);
+          const T* vp = row_at(vbase, k);
+          V va[NC], vb[NC];
+          for (int c = 0; c < NC; ++c) load_chunk(vp + 2 * W * c, va[c], vb[c]);
+          for (int i = 0; i < RG; ++i) {
+            const float w = p[i][j];
+            for (int c = 0; c < NC; ++c) {
+              acc_a[i][c] += w * va[c];
+              acc_b[i][c] += w * vb[c];
+            }
+          }
+        }
+        for (int i = 0; i < RG && row0 + i < rows; ++i) {
+          const int row = row0 + i, t = row / G, g = row % G;
+          T* o = out + (tok0 + t) * a.o_st + (int64_t(h) * G + g) * a.o_sh;
+          float buf[2 * W];
+          for (int c = 0; c < NC; ++c) {
+            std::memcpy(buf, &acc_a[i][c], sizeof(V));
+            std::memcpy(buf + W, &acc_b[i][c], sizeof(V));
+            for (int e = 0; e < 2 * W; ++e)
+              store(o + 2 * W * c + e, buf[chunk_slot<T, W>(e)] * inv[row]);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+bool dispatch(const Args& a) {
+  switch (a.head_size) {
+    case 16: attend<T, f32x8, 1, 4>(a); return true;
+    case 32: attend<T, f32x16, 1, 4>(a); return true;
+    case 48: attend<T, f32x8, 3, 2>(a); return true;
+    case 64: attend<T, f32x16, 2, 4>(a); return true;
+    case 80: attend<T, f32x8, 5, 2>(a); return true;
+    case 96: attend<T, f32x16, 3, 2>(a); return true;
+    case 128: attend<T, f32x16, 4, 2>(a); return true;
+    case 256: attend<T, f32x16, 8, 1>(a); return true;
+    default: return false;
+  }
+}
+
+template <typename T>
+void write_cache(const T* key, int64_t k_st, int64_t k_sh, const T* value,
+                 int64_t v_st, int64_t v_sh, const int64_t* slots, int64_t n,
+                 T* cache, int64_t c_sb, int64_t c_sh, int64_t c_sn,
+                 int32_t num_kv_heads, int32_t head_size, int32_t head_size_v,
+                 int32_t block_size, int64_t num_blocks) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0 || slot >= num_blocks * block_size) continue;  // padding
+    T* dst = cache + (slot / block_size) * c_sb + (slot % block_size) * c_sn;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      std::memcpy(dst + h * c_sh, key + i * k_st + h * k_sh,
+                  sizeof(T) * head_size);
+      std::memcpy(dst + h * c_sh + head_size, value + i * v_st + h * v_sh,
+                  sizeof(T) * head_size_v);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+// Returns 1 when it ran, 0 for a shape it does not handle (nothing written):
+// head_size_v must equal head_size, which must be one of the sizes above, at
+// most 64 query heads may share a KV head, and a tile holds at most 16 tokens.
+int vllm_br_paged_attention(
+    int32_t dtype_is_bf16, const void* q, int64_t q_st, int64_t q_sh,
+    const void* cache, int64_t c_sb, int64_t c_sh, int64_t c_sn,
+    const int32_t* bt, int64_t bt_st, int32_t bt_width, int32_t num_blocks,
+    const int32_t* seq_lens, const int32_t* tiles, int32_t num_tiles,
+    int32_t max_tile_tokens, int32_t num_heads, int32_t num_kv_heads,
+    int32_t head_size, int32_t head_size_v, int32_t block_size, float scale,
+    float soft_cap, int32_t window, void* out, int64_t o_st, int64_t o_sh,
+    int32_t num_threads) {
+  if (head_size_v != head_size || num_kv_heads <= 0 ||
+      num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 64 ||
+      max_tile_tokens > MAX_TILE_TOKENS)
+    return 0;
+  const Args a{q,          q_st,         q_sh,       cache,     c_sb,
+               c_sh,       c_sn,         bt,         bt_st,     bt_width,
+               num_blocks, seq_lens,     tiles,      num_tiles, num_heads,
+               num_kv_heads, head_size,  block_size, scale,     soft_cap,
+               window,     out,          o_st,       o_sh,      num_threads};
+  return dtype_is_bf16 ? dispatch<uint16_t>(a) : dispatch<float>(a);
+}
+
+// K/V rows of n tokens into their flat slots; negative slots are padding.
+// Returns 0 (nothing written) for an element size it does not handle.
+int vllm_br_reshape_and_cache(int32_t elem_size, const void* key, int64_t k_st,
+                              int64_t k_sh, const void* value, int64_t v_st,
+                              int64_t v_sh, const int64_t* slots, int64_t n,
+                              void* cache, int64_t c_sb, int64_t c_sh,
+                              int64_t c_sn, int32_t num_kv_heads,
+                              int32_t head_size, int32_t head_size_v,
+                              int32_t block_size, int64_t num_blocks) {
+  if (elem_size == 2)
+    write_cache(static_cast<const uint16_t*>(key), k_st, k_sh,
+                static_cast<const uint16_t*>(value), v_st, v_sh, slots, n,
+                static_cast<uint16_t*>(cache), c_sb, c_sh, c_sn, num_kv_heads,
+                head_size, head_size_v, block_size, num_blocks);
+  else if (elem_size == 4)
+    write_cache(static_cast<const float*>(key), k_st, k_sh,
+                static_cast<const float*>(value), v_st, v_sh, slots, n,
+                static_cast<float*>(cache), c_sb, c_sh, c_sn, num_kv_heads,
+                head_size, head_size_v, block_size, num_blocks);
+  else
+    return 0;
+  return 1;
+}
+}
