@@ -245,6 +245,17 @@ _VARS: dict[str, EnvVar] = {
             "the bf16 weights for fewer (decode).",
         ),
         EnvVar(
+            "VLLM_BR_CPU_PACKED_GEMM",
+            True,
+            _bool,
+            "0 or 1",
+            "cpu backend on hosts with AVX512-BF16/AMX: 1 packs each bfloat16 GEMM "
+            "weight once for oneDNN after loading (about the bf16 weights' size "
+            "again) and multiplies the packed weight in GEMMs up to 256 rows; 0 "
+            "packs nothing and runs torch's plain bf16 matmul. Read again when "
+            "each GEMM runs.",
+        ),
+        EnvVar(
             "VLLM_BR_KERNEL_CACHE",
             "~/.cache/vllm-br/kernels",
             _path,

@@ -704,3 +704,54 @@ def test_attach_matmul_weights_native_policy_adds_nothing(monkeypatch):
     assert not any(hasattr(m, matmul_weights.MATMUL_WEIGHT) for m in model.values())
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     same(model["row"](x)[0], F.linear(x, model["row"].weight))
+
+
+@pytest.mark.parametrize("packed_gemm", ["1", "0"])
+def test_prepare_packs_gemm_weights_where_bound(monkeypatch, packed_gemm):
+    """After attach, prepare hands each GEMM weight without a float32 copy to
+    the device's prepare_gemm_weight op: on a cpu host with fast bf16 that
+    packs it for oneDNN (VLLM_BR_CPU_PACKED_GEMM=1), and the layers and the
+    logits processor then multiply the packed weights; elsewhere nothing."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    from vllm_br.device.cpu_kernels import packed_linear
+    from vllm_br.layers import matmul_weights
+    from vllm_br.ops import registry
+
+    monkeypatch.setenv("VLLM_BR_CPU_BF16_MATMUL", "native")
+    monkeypatch.setenv("VLLM_BR_CPU_PACKED_GEMM", packed_gemm)
+    registry.clear_cache()
+    packed_linear.clear()
+    calls = []
+    real = packed_linear._packed_mm
+    monkeypatch.setattr(
+        packed_linear, "_packed_mm", lambda *a: calls.append(1) or real(*a)
+    )
+    try:
+        model = _bf16_model()
+        assert matmul_weights.attach(model) == 0
+        added = matmul_weights.prepare(model)
+        packs = packed_gemm == "1" and packed_linear.host_supported()
+        weights = [model[n].weight for n in ("qkv", "row", "lm_head")]
+        assert added == (sum(w.numel() * 2 for w in weights) if packs else 0)
+        assert all((packed_linear.lookup(w) is not None) is packs for w in weights)
+        assert not any("packed" in k for k in model.state_dict())
+
+        x = torch.randn(5, 32, dtype=torch.bfloat16)
+        qkv, row = model["qkv"], model["row"]
+        for out, ref in (
+            (qkv(x)[0], F.linear(x, qkv.weight, qkv.bias)),
+            (row(x)[0], F.linear(x, row.weight)),
+            (
+                LogitsProcessor(130)(model["lm_head"], x),
+                F.linear(x, model["lm_head"].weight)[:, :130],
+            ),
+        ):
+            # the packed GEMM: up to summation order (1 bf16 ulp)
+            torch.testing.assert_close(out, ref, rtol=2**-7, atol=2**-8)
+            if not packs:
+                same(out, ref)
+        assert len(calls) == (3 if packs else 0)
+    finally:
+        packed_linear.clear()
+        registry.clear_cache()

@@ -12,6 +12,11 @@ that reads ``weight`` see the model dtype), and GEMMs of few rows (decode)
 multiply them instead: reading the weight bounds those, and the copy is twice
 the bytes (``vllm_br.ops.matmul.use_fp32_copy``, the measured threshold). A
 card keeps its native dtype, and so nothing is attached.
+
+:func:`prepare` then hands every GEMM weight that has no such copy to the
+device's ``prepare_gemm_weight`` op: on the cpu backend on a host with fast
+bf16 that packs it for oneDNN (``vllm_br.device.cpu_kernels.packed_linear``,
+``VLLM_BR_CPU_PACKED_GEMM``); the reference does nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from vllm_br.device import get_backend
 from vllm_br.logger import init_logger
+from vllm_br.ops import get_op
 
 logger = init_logger(__name__)
 
@@ -64,6 +70,30 @@ def attach(model: torch.nn.Module) -> int:
         logger.info(
             "GEMMs run in float32 on bfloat16 weights (VLLM_BR_CPU_BF16_MATMUL; this "
             "host has no fast bf16 matmul): %.1f MiB of float32 weight copies.",
+            added / 2**20,
+        )
+    return added
+
+
+def prepare(model: torch.nn.Module) -> int:
+    """Let the device prepare every GEMM weight multiplied as it is (no wider
+    copy from :func:`attach`) for its matmul; returns the bytes added. Called
+    after :func:`attach` and before the profile run, so the bytes are counted
+    before the KV cache is sized."""
+    prepare_weight = get_op("prepare_gemm_weight")
+    added = count = 0
+    for module in model.modules():
+        weight = _gemm_weight(module)
+        if weight is None or hasattr(module, MATMUL_WEIGHT):
+            continue
+        n = prepare_weight(weight, isinstance(module, ParallelLMHead))
+        added += n
+        count += n > 0
+    if added:
+        logger.info(
+            "Prepacked %d GEMM weights for the device's matmul "
+            "(VLLM_BR_CPU_PACKED_GEMM): %.1f MiB.",
+            count,
             added / 2**20,
         )
     return added

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_br import envs
+from vllm_br.ops.registry import register_op
 
 # Native bf16 beats the float32 copy up to this many rows per torch thread
 # (linear layers; the LM head's own constant below). Measured on the 2-core
@@ -126,3 +127,12 @@ def gemm(
     if torch.compiler.is_compiling():
         return torch.ops.vllm_br.bf16_gemm(x, weight, matmul_weight, bias, lm_head)
     return _bf16_gemm(x, weight, matmul_weight, bias, lm_head)
+
+
+@register_op("prepare_gemm_weight")
+def prepare_gemm_weight(weight: torch.Tensor, lm_head: bool = False) -> int:
+    """Prepare a GEMM weight (``[out, in]``) once after loading for the
+    device's ``linear`` / ``compute_logits`` kernels (e.g. pack it into the
+    matmul's blocked format, kept beside the weight); returns the bytes added.
+    The reference kernels multiply the weight as it is: nothing to do."""
+    return 0

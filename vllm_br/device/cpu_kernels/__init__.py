@@ -7,8 +7,9 @@ compiled once per source, compiler and CPU (``-march=native``) into
 ``VLLM_BR_KERNEL_CACHE`` and loaded with ctypes. It links the process's
 libgomp (the one torch loaded), so its OpenMP threads are torch's.
 
-Without a compiler, or with ``VLLM_BR_CPU_KERNELS=0``, every op runs its
-reference and a warning says why.
+Without a compiler the C++ ops run their references and a warning says
+why; with ``VLLM_BR_CPU_KERNELS=0`` every op does. The packed GEMMs
+(``packed_linear``) use torch's own oneDNN and need no compiler.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from vllm_br.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_attention_decode.cpp",)
+_SOURCES = ("paged_attention.cpp",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 
 
@@ -111,16 +112,35 @@ def load_library() -> ctypes.CDLL | None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-    fn = lib.vllm_br_paged_attention_decode
+    fn = lib.vllm_br_paged_attention
     fn.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i32, i32]
-    fn.argtypes += [ptr, ptr, ptr] + [i32] * 6 + [f32, f32, i32, ptr, i64, i64, i32]
+    fn.argtypes += [ptr, ptr] + [i32] * 7 + [f32, f32, i32, ptr, i64, i64, i32]
+    fn.restype = ctypes.c_int
+    fn = lib.vllm_br_reshape_and_cache
+    fn.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64]
+    fn.argtypes += [i32] * 4 + [i64]
     fn.restype = ctypes.c_int
 
 
 def fused_kernels() -> dict[str, object]:
-    """The ops this library accelerates, by op name (empty without it)."""
-    if load_library() is None:
-        return {}
-    from vllm_br.device.cpu_kernels.paged_attention import paged_attention
+    """The ops the cpu backend accelerates, by op name: this library's (none
+    without it) and, on hosts with fast bf16, the GEMMs on oneDNN-prepacked
+    weights (``packed_linear``: torch's own oneDNN, so bound without a
+    compiler too). ``VLLM_BR_CPU_KERNELS=0`` binds none of them."""
+    kernels: dict[str, object] = {}
+    if load_library() is not None:
+        from vllm_br.device.cpu_kernels.paged_attention import (
+            paged_attention,
+            reshape_and_cache,
+        )
 
-    return {"paged_attention": paged_attention}
+        kernels["paged_attention"] = paged_attention
+        kernels["reshape_and_cache"] = reshape_and_cache
+    if envs.VLLM_BR_CPU_KERNELS:
+        from vllm_br.device.cpu_kernels import packed_linear
+
+        if packed_linear.host_supported():
+            kernels["linear"] = packed_linear.linear
+            kernels["compute_logits"] = packed_linear.compute_logits
+            kernels["prepare_gemm_weight"] = packed_linear.pack
+    return kernels
