@@ -183,8 +183,15 @@ def test_topology_shape(backend, monkeypatch):
 
 def test_versions_and_kernels(backend):
     assert backend.versions() == {"torch_br": None}
-    # The C++ host kernels (tests/unit/test_paged_attention.py checks them).
-    assert set(backend.fused_kernels()) == {"paged_attention"}
+    from vllm_br.device.cpu_kernels import packed_linear
+
+    # The C++ host kernels (tests/unit/test_paged_attention.py checks them),
+    # greedy sampling (tests/unit/test_sampling.py) and, on hosts with fast
+    # bf16, the packed GEMMs (tests/unit/test_packed_linear.py).
+    expect = {"paged_attention", "reshape_and_cache", "greedy_sample"}
+    if packed_linear.host_supported():
+        expect |= {"linear", "compute_logits", "prepare_gemm_weight"}
+    assert set(backend.fused_kernels()) == expect
 
 
 @pytest.mark.parametrize(

@@ -90,14 +90,24 @@ def test_get_op_prefers_fused_kernel_and_caches(fake_backend):
 
 
 def test_cpu_backend_binds_only_its_host_kernels():
+    from vllm_br.device import cpu
+    from vllm_br.device.cpu_kernels import packed_linear
     from vllm_br.device.cpu_kernels import paged_attention as cpu_pa
 
+    host = {  # the C++ kernels, and greedy sampling through max()
+        "paged_attention": cpu_pa.paged_attention,
+        "reshape_and_cache": cpu_pa.reshape_and_cache,
+        "greedy_sample": cpu.greedy_sample,
+    }
+    if packed_linear.host_supported():  # GEMMs on oneDNN-prepacked weights
+        host["linear"] = packed_linear.linear
+        host["compute_logits"] = packed_linear.compute_logits
+        host["prepare_gemm_weight"] = packed_linear.pack
     registry.clear_cache()
     for name in ops.registered_ops():
-        if name == "paged_attention":  # the C++ decode kernel
-            assert ops.get_op(name) is cpu_pa.paged_attention
-        elif name != "linear":  # registered by vllm_br.layers.weight_layout
-            assert ops.get_op(name) is ops.reference_op(name)
+        # "linear" is registered by vllm_br.layers.weight_layout
+        expect = host.get(name) or ops.reference_op(name)
+        assert ops.get_op(name) is expect, name
 
 
 def test_duplicate_registration_is_refused():

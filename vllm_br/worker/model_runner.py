@@ -21,6 +21,7 @@ from vllm_br.compilation.graph_wrapper import SUPAGraphWrapper
 from vllm_br.device import DeviceBackend, get_backend
 from vllm_br.layers import matmul_weights
 from vllm_br.logger import init_logger
+from vllm_br.ops import get_op
 
 logger = init_logger(__name__)
 
@@ -53,11 +54,16 @@ class SUPAModelRunner(GPUModelRunner):
         super().__init__(vllm_config, device)
         if self.backend.name == "cpu":
             self._share_host_and_device_buffers()
+        # The greedy step through the op registry (an instance attribute
+        # shadows Sampler's staticmethod; the sampler object, also held by
+        # the rejection sampler, stays the same).
+        self.sampler.greedy_sample = get_op("greedy_sample")
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         # Before profiling, so the copies are counted against the KV cache.
         matmul_weights.attach(self.get_model())
+        matmul_weights.prepare(self.get_model())
         # vLLM's runner wraps the model for FULL graphs with its hard-coded
         # CUDAGraphWrapper; on SUPA the same wrapper position takes
         # SUPAGraphWrapper (PIECEWISE pieces get it from the platform).
