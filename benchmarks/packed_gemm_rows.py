@@ -38,15 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-# name -> (out_features, in_features)
-SHAPES: dict[str, tuple[int, int]] = {
-    "qkv_proj": (960, 576),
-    "o_proj": (576, 576),
-    "gate_up_proj": (3072, 576),
-    "down_proj": (576, 1536),
-    "lm_head": (49152, 576),
-}
+from bf16_gemm_rows import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
 
 
 def _hint(text: str) -> int | None:
