@@ -9,6 +9,9 @@ weights (cpu backend, hosts with AVX512-BF16/AMX).
   fast bf16, a weight written in place or freed after packing.
 - Under torch.compile: one graph with the opaque op serves row counts on both
   sides without recompiling; opcheck of the op.
+
+The one- and two-row GEMV kernel, which takes those rows first, is off here
+(tests/unit/test_gemv.py covers it), so these rows reach the packed path.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_br.device import get_backend
+from vllm_br.device.cpu_kernels import gemv
 from vllm_br.device.cpu_kernels import packed_linear as pl
 from vllm_br.layers import weight_layout as wl
 from vllm_br.layers.weight_layout import NUMA, DeviceLayout
@@ -36,6 +40,7 @@ ROWS = [1, 3, 64, pl.MAX_ROWS, pl.MAX_ROWS + 1, 2 * pl.MAX_ROWS + 3]
 def clean(monkeypatch):
     monkeypatch.delenv("VLLM_BR_CPU_PACKED_GEMM", raising=False)  # 1
     monkeypatch.delenv("VLLM_BR_CPU_BF16_MATMUL", raising=False)  # auto
+    monkeypatch.setattr(gemv, "MAX_ROWS", 0)
     pl.clear()
     yield
     pl.clear()

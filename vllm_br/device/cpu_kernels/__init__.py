@@ -31,7 +31,7 @@ from vllm_br.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_attention.cpp",)
+_SOURCES = ("paged_attention.cpp", "gemv.cpp")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 
 
@@ -119,6 +119,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.vllm_br_reshape_and_cache
     fn.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64]
     fn.argtypes += [i32] * 4 + [i64]
+    fn.restype = ctypes.c_int
+    lib.vllm_br_gemv_max_rows.argtypes = []
+    lib.vllm_br_gemv_max_rows.restype = ctypes.c_int
+    fn = lib.vllm_br_gemv_bf16
+    fn.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i64, i32]
     fn.restype = ctypes.c_int
 
 

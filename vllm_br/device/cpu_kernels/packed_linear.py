@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_br import envs
+from vllm_br.device.cpu_kernels import gemv
 from vllm_br.layers import weight_layout
 from vllm_br.ops import embedding
 
@@ -197,6 +198,10 @@ def _gemm(
     """``F.linear(x, weight, bias)``, on the packed weight where that is
     faster and there is one."""
     rows = x.numel() // max(1, x.shape[-1])
+    if rows <= gemv.MAX_ROWS:
+        out = gemv.gemv(x, weight, bias)  # faster than packed at these rows
+        if out is not None:
+            return out
     if 0 < rows <= max_rows(lm_head) and _enabled():
         packed = lookup(weight)
         if packed is not None:
