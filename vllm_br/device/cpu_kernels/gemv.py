@@ -12,6 +12,8 @@ rounding to bf16, like oneDNN (results agree to summation order).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_br.device.cpu_kernels import load_library
@@ -23,9 +25,15 @@ from vllm_br.device.cpu_kernels import load_library
 MAX_ROWS = 2
 
 
-def available() -> bool:
+@functools.cache
+def _kernel_max_rows() -> int:
+    """Rows the built kernel takes (0: none here); asked once, not per GEMM."""
     lib = load_library()
-    return lib is not None and lib.vllm_br_gemv_max_rows() >= MAX_ROWS
+    return 0 if lib is None else lib.vllm_br_gemv_max_rows()
+
+
+def available() -> bool:
+    return _kernel_max_rows() >= max(MAX_ROWS, 1)
 
 
 def gemv(
@@ -55,9 +63,12 @@ def gemv(
     x2 = x.reshape(rows, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
+    lib = load_library()
+    if lib is None:  # the library's setting changed after the first ask
+        return None
     n = weight.shape[0]
     out = torch.empty((rows, n), dtype=torch.bfloat16)
-    ran = load_library().vllm_br_gemv_bf16(
+    ran = lib.vllm_br_gemv_bf16(
         x2.data_ptr(),
         x2.stride(0),
         rows,
