@@ -277,14 +277,21 @@ class CpuBackend(DeviceBackend):
     def fused_kernels(self) -> dict[str, Any]:
         # The host kernels compiled from vllm_br/device/cpu_kernels (empty
         # when they cannot be built; the references run then), and greedy
-        # sampling through max().
+        # sampling (the C++ argmax, else max()).
         from vllm_br.device import cpu_kernels
 
         return {"greedy_sample": greedy_sample, **cpu_kernels.fused_kernels()}
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-    """The ``greedy_sample`` op on the host: torch's CPU ``argmax`` reduction
-    is ~3x slower than ``max`` on ``[64, 49152]`` float32 logits, and both
-    return the index of the first maximum."""
+    """The ``greedy_sample`` op on the host: the C++ argmax where it applies
+    (float32 logits, as vLLM's sampler passes them); else ``max``, since
+    torch's CPU ``argmax`` reduction is ~3x slower than ``max`` on
+    ``[64, 49152]`` float32 logits. All return the index of the first
+    maximum."""
+    from vllm_br.device.cpu_kernels import sampling
+
+    ids = sampling.argmax(logits) if envs.VLLM_BR_CPU_KERNELS else None
+    if ids is not None:
+        return ids
     return logits.max(dim=-1).indices.view(-1)
