@@ -104,11 +104,25 @@ inline void load_chunk(const float* p, V& a, V& b) {  // fp32: plain order
   std::memcpy(&b, p + Lanes<V>::W, sizeof(V));
 }
 
-// Element e of a chunk sits at (vector, lane) = chunk_slot(e).
-template <typename T, int W>
-inline int chunk_slot(int e) {  // returns vector * W + lane
-  if constexpr (sizeof(T) == 2) return (e & 1) * W + (e >> 1);
-  return e;
+// Stores one chunk as load_chunk reads it: a holds the even elements and b
+// the odd ones (bf16, rounded to nearest even like store() below, NaN to
+// 0x7FC0), or the first and second halves (fp32).
+template <typename V>
+inline void store_chunk(uint16_t* p, V a, V b) {
+  using U = typename Lanes<V>::U;
+  auto rne = [](V v) {
+    U u;
+    std::memcpy(&u, &v, sizeof(u));
+    const U r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return v != v ? U{} + 0x7FC0u : r;
+  };
+  const U w = rne(a) | (rne(b) << 16);
+  std::memcpy(p, &w, sizeof(w));
+}
+template <typename V>
+inline void store_chunk(float* p, V a, V b) {
+  std::memcpy(p, &a, sizeof(V));
+  std::memcpy(p + Lanes<V>::W, &b, sizeof(V));
 }
 
 inline float to_float(float v) { return v; }
@@ -354,9 +368,14 @@ void attend(const Args& a) {
         for (int g = 0; g < G; ++g) {
           const T* src = q + (tok0 + t) * a.q_st + (int64_t(h) * G + g) * a.q_sh;
           float* dst = qf.data() + static_cast<size_t>(t * G + g) * D;
-          for (int e = 0; e < D; ++e)
-            dst[(e / (2 * W)) * 2 * W + chunk_slot<T, W>(e % (2 * W))] =
-                to_float(src[e]) * qmul;
+          for (int c = 0; c < NC; ++c) {
+            V qa, qb;
+            load_chunk(src + 2 * W * c, qa, qb);
+            qa *= qmul;
+            qb *= qmul;
+            std::memcpy(dst + 2 * W * c, &qa, sizeof(V));
+            std::memcpy(dst + 2 * W * c + W, &qb, sizeof(V));
+          }
         }
       // Row (t, g) is row t * G + g; its scores are s[row * n + key - k0].
       // One extra row of zeros pads the last PV group.
@@ -489,13 +508,8 @@ void attend(const Args& a) {
         for (int i = 0; i < RG && row0 + i < rows; ++i) {
           const int row = row0 + i, t = row / G, g = row % G;
           T* o = out + (tok0 + t) * a.o_st + (int64_t(h) * G + g) * a.o_sh;
-          float buf[2 * W];
-          for (int c = 0; c < NC; ++c) {
-            std::memcpy(buf, &acc_a[i][c], sizeof(V));
-            std::memcpy(buf + W, &acc_b[i][c], sizeof(V));
-            for (int e = 0; e < 2 * W; ++e)
-              store(o + 2 * W * c + e, buf[chunk_slot<T, W>(e)] * inv[row]);
-          }
+          for (int c = 0; c < NC; ++c)
+            store_chunk(o + 2 * W * c, acc_a[i][c] * inv[row], acc_b[i][c] * inv[row]);
         }
       }
     };
