@@ -493,7 +493,6 @@ def paged_attention(
         )
     window = _window(sliding_window)
     dyn_causal = isinstance(causal, torch.Tensor)
-    seq_lens = seq_lens.to(torch.long)
     width = block_table.shape[1]
 
     def n_blocks(max_len: int, max_q: int) -> int:
@@ -540,6 +539,11 @@ def paged_attention(
         )
         nd = 0 if decodes_done else nd
         npf = 0 if prefills_done else npf
+    if not (nd or npf):
+        return output
+    # int64 for the reference's index arithmetic (the kernel takes the
+    # device's int32 as is: converting there cost two copies per layer).
+    seq_lens = seq_lens.to(torch.long)
     if nd:
         if plan.decode_reqs is None:
             q = query[:nd]
