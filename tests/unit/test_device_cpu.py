@@ -210,3 +210,37 @@ def test_bf16_matmul_policy(backend, monkeypatch, env, avx512_bf16, amx, expect)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     assert backend.matmul_dtype(torch.bfloat16) == expect
     assert backend.matmul_dtype(torch.float32) == torch.float32
+
+
+def test_set_device_keeps_freed_host_memory():
+    """After set_device, glibc keeps a freed 24 MB block mapped for the next
+    step's activations (as a device's caching allocator would); by default a
+    fresh process maps such a block for the request and unmaps it on free."""
+    import subprocess
+    import sys
+
+    code = """
+import ctypes, psutil
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+proc = psutil.Process()
+def released(n=24 << 20):
+    p = libc.malloc(n)
+    ctypes.memset(p, 1, n)
+    held = proc.memory_info().rss
+    libc.free(p)
+    return held - proc.memory_info().rss
+before = released()
+from vllm_br.device.cpu import CpuBackend, keep_freed_host_memory
+CpuBackend().set_device(0)
+assert keep_freed_host_memory()
+print(before, released())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    before, after = (int(v) for v in out[-2:])
+    assert before > 16 << 20, before
+    assert after < 4 << 20, after
