@@ -13,8 +13,10 @@
 // positions <= its own (causal), and > position - window with a sliding
 // window. A work item is (tile, KV head); its rows are the tile's tokens times
 // the G query heads sharing that KV head, so each K row is converted once and
-// used by every row. OpenMP splits the items; the process's libgomp (torch's)
-// is shared, so there is one thread pool.
+// used by every row. The threads of one OpenMP region (the process's libgomp,
+// torch's, so there is one pool) take whole tiles, all their KV heads, from a
+// shared atomic counter, and prefetch the next decode tile's K/V while they
+// compute the current one.
 //
 // Layout: the cache is one layer's [num_blocks, num_kv_heads, block_size,
 // head_size + head_size_v] view given by its strides (last dim contiguous); K
