@@ -164,3 +164,46 @@ def test_benchmark_runners_tiny(tiny_llama_dir, tmp_path):
     assert [t["batch_size"] for t in hf_w1["tuning"]] == [1, 4]
     # All systems were given the same prompts.
     assert len(digests["W1"]) == 1 and len(digests["W2"]) == 1
+
+
+def test_decode_gemm_stream_tiny(tmp_path):
+    """The decode-GEMM bound script runs and writes consistent numbers: the
+    bound is the slower of compute and read, and the per-step sum weights
+    the layer GEMMs by ``--layers``."""
+    import torch
+
+    if not (
+        hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.backends.mkldnn.is_available()
+    ):
+        pytest.skip("torch without oneDNN linear-weight packing")
+    out = tmp_path / "stream.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "decode_gemm_stream.py"),
+            "--shapes",
+            "o_proj,down_proj",
+            "--layers",
+            "2",
+            "--calls",
+            "3",
+            "--pool-mib",
+            "4",
+            "--json-out",
+            str(out),
+        ],
+        cwd=BENCH,
+        check=True,
+        timeout=300,
+    )
+    doc = json.loads(out.read_text())
+    for m in doc["shapes"].values():
+        _positive(m, ["hot_us", "cold_us", "read_us", "gain_bound"])
+        assert m["overlap_bound_us"] == max(m["hot_us"], m["read_us"])
+    step = doc["per_step"]
+    cold = sum(m["cold_us"] for m in doc["shapes"].values()) * 2 / 1e3
+    assert step["cold_ms"] == pytest.approx(cold)
+    assert step["saving_bound_ms"] == pytest.approx(
+        step["cold_ms"] - step["overlap_bound_ms"]
+    )
