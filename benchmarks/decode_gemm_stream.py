@@ -27,15 +27,13 @@ Usage: python benchmarks/decode_gemm_stream.py --json-out benchmarks/results/dec
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from bf16_gemm_rows import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
-from packed_gemm_rows import _hint
+from packed_gemm_rows import _hint, machine, time_rotating, write_json
 
 LAYER_SHAPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -60,17 +58,7 @@ def measure(
         "cold": lambda i: gemm(packed[i]),
         "read": lambda i: words[i].sum(),
     }
-    for i in range(pool):  # warm-up: one pass over each pool
-        for fn in paths.values():
-            fn(i)
-    names = list(paths)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for c in range(calls):
-        k = c % len(names)
-        for name in names[k:] + names[:k]:
-            t = time.perf_counter()
-            paths[name](c % pool)
-            times[name].append(time.perf_counter() - t)
+    times = time_rotating(paths, calls, pool)
     m = {f"{k}_us": statistics.median(v) * 1e6 for k, v in times.items()}
     m["bytes"] = nbytes
     m["gflops_hot"] = 2 * rows * out_f * in_f / m["hot_us"] / 1e3
@@ -135,18 +123,11 @@ def main() -> None:
             f" --pool-mib {args.pool_mib}"
         ),
         date=time.strftime("%Y-%m-%d %H:%M"),
-        machine=dict(
-            cpu=platform.processor() or platform.machine(),
-            torch=torch.__version__,
-            amx=torch.cpu._is_amx_tile_supported(),
-        ),
+        machine=machine(),
         shapes=results,
         per_step=step,
     )
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json_out}")
+    write_json(args.json_out, doc)
 
 
 if __name__ == "__main__":

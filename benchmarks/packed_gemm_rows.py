@@ -34,6 +34,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,6 +44,26 @@ from bf16_gemm_rows import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
 
 def _hint(text: str) -> int | None:
     return None if text == "none" else int(text)
+
+
+def time_rotating(
+    paths: dict[str, Callable[[int], object]], calls: int, pool: int
+) -> dict[str, list[float]]:
+    """Seconds of each call per path. One warm-up pass over the pool, then
+    ``calls`` rounds of one call per path (pool entry ``round % pool``), in an
+    order rotated each round so that load from other jobs falls on all."""
+    for i in range(pool):  # warm-up: one pass over each pool
+        for fn in paths.values():
+            fn(i)
+    names = list(paths)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for c in range(calls):
+        k = c % len(names)
+        for name in names[k:] + names[:k]:
+            t = time.perf_counter()
+            paths[name](c % pool)
+            times[name].append(time.perf_counter() - t)
+    return times
 
 
 def measure(
@@ -65,21 +86,29 @@ def measure(
         paths[f"packed[{h}]"] = lambda i, p=packed: torch.ops.mkldnn._linear_pointwise(
             x, p[i], None, "none", [], ""
         )
-    for i in range(pool):  # warm-up: one pass over each pool
-        for fn in paths.values():
-            fn(i)
-    names = list(paths)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for c in range(calls):
-        k = c % len(names)
-        for name in names[k:] + names[:k]:
-            t = time.perf_counter()
-            paths[name](c % pool)
-            times[name].append(time.perf_counter() - t)
+    times = time_rotating(paths, calls, pool)
     return {
         k: dict(median_us=statistics.median(v) * 1e6, min_us=min(v) * 1e6)
         for k, v in times.items()
     }
+
+
+def machine() -> dict[str, object]:
+    """The host facts a GEMM timing depends on."""
+    return dict(
+        cpu=platform.processor() or platform.machine(),
+        torch=torch.__version__,
+        capability=torch.backends.cpu.get_cpu_capability(),
+        amx=torch.cpu._is_amx_tile_supported(),
+        avx512_bf16=torch.cpu._is_avx512_bf16_supported(),
+    )
+
+
+def write_json(path: Path | None, doc: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {path}")
 
 
 def main() -> None:
@@ -140,21 +169,12 @@ def main() -> None:
             f" --pool-mib {args.pool_mib}"
         ),
         date=time.strftime("%Y-%m-%d %H:%M"),
-        machine=dict(
-            cpu=platform.processor() or platform.machine(),
-            torch=torch.__version__,
-            capability=torch.backends.cpu.get_cpu_capability(),
-            amx=torch.cpu._is_amx_tile_supported(),
-            avx512_bf16=torch.cpu._is_avx512_bf16_supported(),
-        ),
+        machine=machine(),
         max_rows=max_rows["median_us"],
         max_rows_min=max_rows["min_us"],
         results=results,
     )
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json_out}")
+    write_json(args.json_out, doc)
 
 
 if __name__ == "__main__":
