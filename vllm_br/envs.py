@@ -256,6 +256,16 @@ _VARS: dict[str, EnvVar] = {
             "each GEMM runs.",
         ),
         EnvVar(
+            "VLLM_BR_CPU_ATTENTION_AMX",
+            True,
+            _bool,
+            "0 or 1",
+            "cpu backend on hosts with AMX: 1 runs the paged-attention kernel's "
+            "bfloat16 prefills (head size 64, 128 or 256) on AMX tiles; 0 keeps "
+            "them on its AVX-512 path. Decodes always take the AVX-512 path. "
+            "Read again at each attention call with prefills.",
+        ),
+        EnvVar(
             "VLLM_BR_KERNEL_CACHE",
             "~/.cache/vllm-br/kernels",
             _path,

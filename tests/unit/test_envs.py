@@ -29,6 +29,7 @@ DEFAULTS = {
     "VLLM_BR_KERNEL_CACHE": "~/.cache/vllm-br/kernels",
     "VLLM_BR_CPU_BF16_MATMUL": "auto",
     "VLLM_BR_CPU_PACKED_GEMM": True,
+    "VLLM_BR_CPU_ATTENTION_AMX": True,
 }
 
 BOOLS = [
@@ -52,6 +53,7 @@ BAD_VALUES = [
     ("VLLM_BR_CPU_KERNELS", "maybe", "0 or 1"),
     ("VLLM_BR_CPU_BF16_MATMUL", "bf16", "auto | native | fp32"),
     ("VLLM_BR_CPU_PACKED_GEMM", "maybe", "0 or 1"),
+    ("VLLM_BR_CPU_ATTENTION_AMX", "maybe", "0 or 1"),
     ("VLLM_BR_CPU_MEMORY_GIB", "0", "a number > 0"),
     ("VLLM_BR_CPU_MEMORY_GIB", "-2", "a number > 0"),
     ("VLLM_BR_CPU_MEMORY_GIB", "inf", "a number > 0"),

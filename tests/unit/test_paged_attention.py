@@ -58,11 +58,15 @@ def make_layer_cache(num_blocks, hkv, content, dtype, layout="LBNHC", num_layers
     return view[num_layers - 1]
 
 
-@pytest.fixture(autouse=True, params=["reference", "cpu_kernel"])
+@pytest.fixture(autouse=True, params=["reference", "cpu_kernel", "cpu_kernel_no_amx"])
 def impl(request, monkeypatch):
-    if request.param == "cpu_kernel":
+    """The reference ops, or the C++ kernel with (where the host has AMX) and
+    without its AMX path for bf16 prefills."""
+    if request.param.startswith("cpu_kernel"):
         assert cpu_kernels.load_library() is not None, "the C++ kernels must build"
         monkeypatch.setattr(Case, "impl", staticmethod(cpu_pa.paged_attention))
+        amx = "1" if request.param == "cpu_kernel" else "0"
+        monkeypatch.setenv("VLLM_BR_CPU_ATTENTION_AMX", amx)
     return request.param
 
 
@@ -449,8 +453,10 @@ def test_fp32_model_with_bf16_kv_cache():
 # --------------------------------------------------------------------------- #
 
 
-# These call the kernel directly: one run, not one per implementation.
-KERNEL_ONLY = pytest.mark.parametrize("impl", ["reference"], indirect=True)
+# These call the kernel directly: with and without its AMX path.
+KERNEL_ONLY = pytest.mark.parametrize(
+    "impl", ["cpu_kernel", "cpu_kernel_no_amx"], indirect=True
+)
 
 
 def _with_kernel(case, causal=True, **kw):
@@ -589,3 +595,28 @@ def test_cpu_kernels_can_be_switched_off(monkeypatch, impl):
         cpu_kernels.load_library.cache_clear()
     assert "paged_attention" in cpu_kernels.fused_kernels()
     assert "reshape_and_cache" in cpu_kernels.fused_kernels()
+
+
+@pytest.mark.parametrize("impl", ["reference"], indirect=True)
+@pytest.mark.parametrize("d", [64, 128])
+def test_cpu_kernel_amx_path_takes_bf16_prefills_only(d, monkeypatch):
+    """Where the host has AMX, bf16 prefill tiles take the AMX path (its
+    bf16-rounded weights give different low bits from the float32 path, both
+    within tolerance of the reference) and decodes never do (bit-identical)."""
+    lib = cpu_kernels.load_library()
+    if not lib.vllm_br_attention_has_amx():
+        pytest.skip("this host has no AMX (or Linux does not grant it)")
+    case = _mixed(torch.bfloat16, hq=8, hkv=2, d=d, seed=5)
+    outs = {}
+    for use_amx in (True, False):
+        monkeypatch.setenv("VLLM_BR_CPU_ATTENTION_AMX", str(int(use_amx)))
+        done, outs[use_amx] = _with_kernel(case)
+        assert done == (True, True)
+        check(case, outs[use_amx], case.reference())
+    plan = make_paged_attention_plan(case.qsl, case.seq_lens_t)
+    rows = torch.zeros(case.num_tokens, dtype=torch.bool)
+    toks = plan.decode_tokens
+    rows[torch.arange(plan.num_decodes) if toks is None else toks.long()] = True
+    amx, plain = outs[True][: case.num_tokens], outs[False][: case.num_tokens]
+    assert torch.equal(amx[rows], plain[rows])
+    assert not torch.equal(amx[~rows], plain[~rows])

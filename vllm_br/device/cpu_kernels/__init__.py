@@ -114,8 +114,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
     fn = lib.vllm_br_paged_attention
     fn.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i32, i32]
-    fn.argtypes += [ptr, ptr] + [i32] * 7 + [f32, f32, i32, ptr, i64, i64, i32]
+    fn.argtypes += [ptr, ptr] + [i32] * 7 + [f32, f32, i32, ptr, i64, i64, i32, i32]
     fn.restype = ctypes.c_int
+    lib.vllm_br_attention_has_amx.argtypes = []
+    lib.vllm_br_attention_has_amx.restype = ctypes.c_int
     fn = lib.vllm_br_reshape_and_cache
     fn.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64]
     fn.argtypes += [i32] * 4 + [i64]

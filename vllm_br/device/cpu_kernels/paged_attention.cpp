@@ -34,7 +34,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define VLLM_BR_HAVE_AMX 1
+#else
+#define VLLM_BR_HAVE_AMX 0
+#endif
 
 namespace {
 
@@ -231,6 +240,7 @@ struct Args {
   void* out;
   int64_t o_st, o_sh;
   int32_t num_threads;
+  int32_t use_amx;  // the AMX path where it applies (bf16, head 64/128/256)
 };
 
 // The keys [k0, k1) that a tile reads: token t sits at position pos0 + t and
@@ -543,8 +553,348 @@ void attend(const Args& a) {
   }
 }
 
+#if VLLM_BR_HAVE_AMX
+// AMX (bf16 tiles) for bf16 caches, head sizes that are multiples of 64.
+// Scores are S^T = K Q^T, so a 16-key group's K chunk is one tile load
+// straight from the cache block (its keys are one stride apart) and only the
+// small query block is rearranged; the 16x16 score block is transposed back
+// into per-row scores for the softmax, which is attend()'s. Then O = P V with
+// the bf16 weights loaded as tiles and V rearranged into the tile's pair
+// layout (two keys' values interleaved) per 32 keys.
+
+// The process must ask Linux for the AMX register state once; false where it
+// refuses (then attend() runs).
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// y[i] = x[i] rounded to bf16 (nearest even), for i < n.
+inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(y + i, k,
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, x + i)));
+  }
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// r[i] (16 dwords each) becomes column i of the 16x16 dword matrix.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // 4x4 transpose of 128-bit lanes
+    const __m512i u0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);
+    const __m512i u1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// NC: 32-value chunks per head (even). All eight tiles are 16 x 64 bytes.
+template <int NC>
+void attend_amx(const Args& a) {
+  constexpr int D = 32 * NC, E = D / 16;  // E: 16-value groups of a head
+  static_assert(E % 4 == 0, "P V uses four accumulator tiles per pass");
+  const int G = a.num_heads / a.num_kv_heads;
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  const uint16_t* cache = static_cast<const uint16_t*>(a.cache);
+  uint16_t* out = static_cast<uint16_t*>(a.out);
+  const int bs = a.block_size;
+  const int bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctz(bs) : -1;
+  const bool capped = a.soft_cap > 0.0f;
+  const int64_t key_bytes = a.c_sn * int64_t(sizeof(uint16_t));
+  std::atomic<int64_t> next_tile{0};
+#pragma omp parallel num_threads(a.num_threads)
+  {
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) {
+      cfg.colsb[i] = 64;
+      cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    std::vector<float> s;
+    std::vector<uint16_t> pb;
+    std::vector<uint32_t> vt;  // V in tile pair layout, [ns / 32][E][16][16]
+    std::vector<int> row_lo(MAX_ROWS), row_hi(MAX_ROWS);
+    std::vector<float> inv(MAX_ROWS);
+    alignas(64) uint32_t qt[NC][16][16];
+    alignas(64) float ct[2][16][16];
+    alignas(64) float ot[E][16][16];
+    KVStream<uint16_t> stream{&a, bs_shift};
+    // Word w of a tile row: value w / 2 of key 2kp + w % 2 (second register).
+    alignas(64) uint16_t idx_lo[32], idx_hi[32];
+    for (int w = 0; w < 32; ++w) {
+      idx_lo[w] = uint16_t((w % 2) * 32 + w / 2);
+      idx_hi[w] = uint16_t((w % 2) * 32 + 16 + w / 2);
+    }
+    const __m512i perm_lo = _mm512_load_si512(idx_lo);
+    const __m512i perm_hi = _mm512_load_si512(idx_hi);
+
+    auto attend_item = [&](const int32_t* tile, int h, int64_t per_step) {
+      const int64_t r = tile[TILE_REQ];
+      const int nt = tile[TILE_TOKENS];
+      const int rows = nt * G;
+      const TileKeys tk = tile_keys(a, tile);
+      const int pos0 = tk.pos0, k0 = tk.k0, k1 = tk.k1;
+      const int64_t tok0 = tile[TILE_TOKEN];
+      if (k1 - k0 <= 0) {  // padding rows: zeros, like the reference's masked rows
+        for (int t = 0; t < nt; ++t)
+          for (int g = 0; g < G; ++g) {
+            uint16_t* o = out + (tok0 + t) * a.o_st + (int64_t(h) * G + g) * a.o_sh;
+            std::memset(o, 0, sizeof(uint16_t) * D);
+          }
+        return;
+      }
+      // Keys from kb0 (16-aligned, so a group stays in one cache block);
+      // row_lo excludes the ones before k0.
+      const int kb0 = k0 & ~15, m = k1 - kb0, ns = (m + 31) & ~31;
+      const int RT = (rows + 15) / 16;
+      for (int t = 0; t < nt; ++t) {
+        const int hi = std::max(pos0 + t + 1, 0);
+        const int lo = a.window > 0 ? std::max(hi - a.window, 0) : 0;
+        for (int g = 0; g < G; ++g) {
+          row_lo[t * G + g] = lo - kb0;
+          row_hi[t * G + g] = hi - kb0;
+        }
+      }
+      s.resize(static_cast<size_t>(RT) * 16 * ns);
+      const int32_t* btr = a.bt + r * a.bt_st;
+      const uint16_t* kbase = cache + int64_t(h) * a.c_sh;
+      auto row_at = [&](const uint16_t* base, int k) {
+        const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
+        const int i = bs_shift >= 0 ? k & (bs - 1) : k % bs;
+        return base + block_id(btr[b], a.num_blocks) * a.c_sb + int64_t(i) * a.c_sn;
+      };
+      auto prefetch_group = [&](int k) {  // K|V of keys [k, k + 16)
+        for (int i = 0; i < 16 && k + i < k1; ++i) {
+          const char* p = reinterpret_cast<const char*>(row_at(kbase, k + i));
+          for (int off = 0; off < int(sizeof(uint16_t)) * 2 * D; off += 64)
+            __builtin_prefetch(p + off);
+        }
+      };
+
+      // Pass 1: scores, 16 rows x 16 keys per tile product.
+      for (int rt = 0; rt < RT; ++rt) {
+        for (int c = 0; c < NC; ++c) {  // Q^T of this row tile, chunk c
+          __m512i qr[16];
+          for (int i = 0; i < 16; ++i) {
+            const int row = rt * 16 + i;
+            if (row < rows) {
+              const int t = row / G, g = row % G;
+              qr[i] = _mm512_loadu_si512(q + (tok0 + t) * a.q_st +
+                                         (int64_t(h) * G + g) * a.q_sh + 32 * c);
+            } else {
+              qr[i] = _mm512_setzero_si512();
+            }
+          }
+          transpose16(qr);
+          for (int i = 0; i < 16; ++i) _mm512_store_si512(qt[c][i], qr[i]);
+        }
+        const int live = std::min(16, rows - rt * 16);
+        // ct[p][key][row] of group kg into the rows' scores.
+        auto scatter = [&](int p, int kg) {
+          __m512i sc[16];
+          for (int i = 0; i < 16; ++i) sc[i] = _mm512_load_si512(ct[p][i]);
+          transpose16(sc);
+          for (int i = 0; i < live; ++i)
+            _mm512_storeu_si512(s.data() + size_t(rt * 16 + i) * ns + (kg - kb0), sc[i]);
+        };
+        if constexpr (NC == 2) {
+          // Tile registers are not renamed: the query tiles stay in 2 and 3,
+          // and groups alternate between accumulators 0/1 and K tiles 4-5/6-7
+          // so that a group's loads need not wait for the previous group's
+          // products; its scores are read back one group later, when its
+          // store has landed.
+          _tile_loadd(2, qt[0], 64);
+          _tile_loadd(3, qt[1], 64);
+          int p = 0;
+          for (int kg = kb0; kg < k1; kg += 16, p ^= 1) {
+            stream.step(per_step);
+            if (rt == 0 && kg + 32 < k1) prefetch_group(kg + 32);
+            const uint16_t* kp = row_at(kbase, kg);
+            if (p == 0) {
+              _tile_zero(0);
+              _tile_loadd(4, kp, key_bytes);
+              _tile_loadd(5, kp + 32, key_bytes);
+              _tile_dpbf16ps(0, 4, 2);
+              _tile_dpbf16ps(0, 5, 3);
+              _tile_stored(0, ct[0], 64);
+            } else {
+              _tile_zero(1);
+              _tile_loadd(6, kp, key_bytes);
+              _tile_loadd(7, kp + 32, key_bytes);
+              _tile_dpbf16ps(1, 6, 2);
+              _tile_dpbf16ps(1, 7, 3);
+              _tile_stored(1, ct[1], 64);
+            }
+            if (kg > kb0) scatter(p ^ 1, kg - 16);
+          }
+          scatter(p ^ 1, kb0 + ((m - 1) & ~15));
+        } else {
+          for (int kg = kb0; kg < k1; kg += 16) {
+            stream.step(per_step);
+            if (rt == 0 && kg + 32 < k1) prefetch_group(kg + 32);
+            const uint16_t* kp = row_at(kbase, kg);
+            _tile_zero(0);
+            for (int c = 0; c < NC; ++c) {
+              _tile_loadd(1, kp + 32 * c, key_bytes);
+              _tile_loadd(2, qt[c], 64);
+              _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, ct[0], 64);
+            scatter(0, kg);
+          }
+        }
+      }
+      // Softmax per row over its own keys; the rest of the row becomes 0.
+      for (int row = 0; row < rows; ++row) {
+        float* sr = s.data() + static_cast<size_t>(row) * ns;
+        const int lo = std::max(row_lo[row], 0);
+        const int hi = std::min(std::max(row_hi[row], lo), m);
+        std::fill(sr, sr + lo, 0.0f);
+        std::fill(sr + hi, sr + ns, 0.0f);
+        if (hi == lo) {
+          inv[row] = 0.0f;
+          continue;
+        }
+        if (capped)
+          for (int j = lo; j < hi; ++j)
+            sr[j] = std::tanh(sr[j] * a.scale / a.soft_cap) * a.soft_cap;
+        else
+          for (int j = lo; j < hi; ++j) sr[j] *= a.scale;
+        inv[row] = 1.0f / softmax_numerators(sr + lo, hi - lo);
+      }
+      // Pass 2: weights rounded to bf16 (as PyTorch's flash kernel rounds
+      // them) times V. V rows outside [k0, k1) are zeros, not read: they
+      // may be another sequence's or uninitialised (0 * NaN is NaN).
+      pb.resize(s.size());
+      to_bf16(s.data(), pb.data(), static_cast<int64_t>(rows) * ns);
+      vt.resize(static_cast<size_t>(ns / 32) * E * 256);
+      const uint16_t* vbase = kbase + D;
+      for (int kb = 0; kb < ns; kb += 32) {
+        uint32_t* dst = vt.data() + static_cast<size_t>(kb / 32) * E * 256;
+        for (int kp = 0; kp < 16; ++kp) {
+          stream.step(per_step);
+          const int ka = kb0 + kb + 2 * kp;
+          const bool in_a = ka >= k0 && ka < k1, in_b = ka + 1 >= k0 && ka + 1 < k1;
+          const uint16_t* va = in_a ? row_at(vbase, ka) : nullptr;
+          const uint16_t* vb = in_b ? row_at(vbase, ka + 1) : nullptr;
+          for (int c = 0; c < NC; ++c) {
+            const __m512i x = in_a ? _mm512_loadu_si512(va + 32 * c) : _mm512_setzero_si512();
+            const __m512i y = in_b ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + (2 * c) * 256 + kp * 16,
+                               _mm512_permutex2var_epi16(x, perm_lo, y));
+            _mm512_storeu_si512(dst + (2 * c + 1) * 256 + kp * 16,
+                               _mm512_permutex2var_epi16(x, perm_hi, y));
+          }
+        }
+      }
+      for (int rt = 0; rt < RT; ++rt) {
+        const uint16_t* prow = pb.data() + static_cast<size_t>(rt) * 16 * ns;
+        for (int eg = 0; eg < E; eg += 4) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int kb = 0; kb < ns; kb += 32) {
+            const uint32_t* vtb = vt.data() + (static_cast<size_t>(kb / 32) * E + eg) * 256;
+            // Three B registers in turn (tiles are not renamed).
+            _tile_loadd(4, prow + kb, ns * int64_t(sizeof(uint16_t)));
+            _tile_loadd(5, vtb, 64);
+            _tile_loadd(6, vtb + 256, 64);
+            _tile_loadd(7, vtb + 512, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, vtb + 768, 64);
+            _tile_dpbf16ps(3, 4, 5);
+          }
+          _tile_stored(0, ot[eg], 64);
+          _tile_stored(1, ot[eg + 1], 64);
+          _tile_stored(2, ot[eg + 2], 64);
+          _tile_stored(3, ot[eg + 3], 64);
+        }
+        for (int i = 0; i < std::min(16, rows - rt * 16); ++i) {
+          const int row = rt * 16 + i, t = row / G, g = row % G;
+          uint16_t* o = out + (tok0 + t) * a.o_st + (int64_t(h) * G + g) * a.o_sh;
+          const __m512 w = _mm512_set1_ps(inv[row]);
+          for (int e = 0; e < E; ++e)
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(o + 16 * e),
+                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(ot[e][i]), w)));
+        }
+      }
+    };
+
+    auto tile_at = [&](int64_t t) { return a.tiles + t * TILE_FIELDS; };
+    int64_t cur = next_tile.fetch_add(1);
+    if (cur < a.num_tiles) {
+      stream.start(tile_at(cur));
+      stream.step(INT64_MAX);
+    }
+    while (cur < a.num_tiles) {
+      const int32_t* tile = tile_at(cur);
+      const int64_t nxt = next_tile.fetch_add(1);
+      if (nxt < a.num_tiles)
+        stream.start(tile_at(nxt));
+      else
+        stream.stop();
+      const TileKeys tk = tile_keys(a, tile);
+      const int64_t n = std::max(tk.k1 - (tk.k0 & ~15), 0);
+      const int64_t rts = (int64_t(tile[TILE_TOKENS]) * G + 15) / 16;
+      const int64_t steps = a.num_kv_heads * (rts * ((n + 15) / 16) + (n + 31) / 32 * 16);
+      const int64_t per_step = steps > 0 ? (stream.lines() + steps - 1) / steps : 0;
+      for (int h = 0; h < a.num_kv_heads; ++h) attend_item(tile, h, per_step);
+      stream.step(INT64_MAX);
+      cur = nxt;
+    }
+    _tile_release();
+  }
+}
+#endif
+
 template <typename T>
 bool dispatch(const Args& a) {
+#if VLLM_BR_HAVE_AMX
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (a.use_amx && a.block_size % 16 == 0 && amx_ready()) {
+      switch (a.head_size) {
+        case 64: attend_amx<2>(a); return true;
+        case 128: attend_amx<4>(a); return true;
+        case 256: attend_amx<8>(a); return true;
+        default: break;
+      }
+    }
+  }
+#endif
   switch (a.head_size) {
     case 16: attend<T, f32x8, 1, 4>(a); return true;
     case 32: attend<T, f32x16, 1, 4>(a); return true;
@@ -580,9 +930,22 @@ void write_cache(const T* key, int64_t k_st, int64_t k_sh, const T* value,
 }  // namespace
 
 extern "C" {
+// 1 where the attention kernel can take its AMX path (compiled for a CPU
+// with AMX, and Linux grants the tile state), else 0.
+int vllm_br_attention_has_amx() {
+#if VLLM_BR_HAVE_AMX
+  return amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 // Returns 1 when it ran, 0 for a shape it does not handle (nothing written):
 // head_size_v must equal head_size, which must be one of the sizes above, at
 // most 64 query heads may share a KV head, and a tile holds at most 16 tokens.
+// With use_amx, bf16 heads of 64, 128 or 256 take the AMX path where the CPU
+// has it: measured faster for prefill tiles, slower for decodes (see
+// benchmarks/ANALYSIS.md), so the caller asks for it per tile set.
 int vllm_br_paged_attention(
     int32_t dtype_is_bf16, const void* q, int64_t q_st, int64_t q_sh,
     const void* cache, int64_t c_sb, int64_t c_sh, int64_t c_sn,
@@ -591,7 +954,7 @@ int vllm_br_paged_attention(
     int32_t max_tile_tokens, int32_t num_heads, int32_t num_kv_heads,
     int32_t head_size, int32_t head_size_v, int32_t block_size, float scale,
     float soft_cap, int32_t window, void* out, int64_t o_st, int64_t o_sh,
-    int32_t num_threads) {
+    int32_t num_threads, int32_t use_amx) {
   if (head_size_v != head_size || num_kv_heads <= 0 ||
       num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 64 ||
       max_tile_tokens > MAX_TILE_TOKENS)
@@ -600,7 +963,8 @@ int vllm_br_paged_attention(
                c_sh,       c_sn,         bt,         bt_st,     bt_width,
                num_blocks, seq_lens,     tiles,      num_tiles, num_heads,
                num_kv_heads, head_size,  block_size, scale,     soft_cap,
-               window,     out,          o_st,       o_sh,      num_threads};
+               window,     out,          o_st,       o_sh,      num_threads,
+               use_amx};
   return dtype_is_bf16 ? dispatch<uint16_t>(a) : dispatch<float>(a);
 }
 

@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from vllm_br import envs
 from vllm_br.device.cpu_kernels import load_library
 from vllm_br.ops.paged_attention import PagedAttentionPlan
 from vllm_br.ops.paged_attention import paged_attention as reference_attention
@@ -115,37 +116,52 @@ def attention(
     if bt.stride(-1) != 1:
         bt = bt.contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
-    ran = lib.vllm_br_paged_attention(
-        dtype == torch.bfloat16,
-        query.data_ptr(),
-        query.stride(0),
-        query.stride(1),
-        kv_cache.data_ptr(),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        bt.data_ptr(),
-        bt.stride(0),
-        bt.shape[1],
-        num_blocks,
-        sl.data_ptr(),
-        tiles.data_ptr(),
-        tiles.shape[0],
-        TILE_TOKENS,
-        num_heads,
-        num_kv_heads,
-        head_size,
-        content - head_size,
-        block_size,
-        ctypes.c_float(scale),
-        ctypes.c_float(logits_soft_cap or 0.0),
-        window or 0,
-        out.data_ptr(),
-        out.stride(0),
-        out.stride(1),
-        torch.get_num_threads(),
+
+    def run(part: torch.Tensor, use_amx: int) -> bool:
+        return lib.vllm_br_paged_attention(
+            dtype == torch.bfloat16,
+            query.data_ptr(),
+            query.stride(0),
+            query.stride(1),
+            kv_cache.data_ptr(),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            bt.data_ptr(),
+            bt.stride(0),
+            bt.shape[1],
+            num_blocks,
+            sl.data_ptr(),
+            part.data_ptr(),
+            part.shape[0],
+            TILE_TOKENS,
+            num_heads,
+            num_kv_heads,
+            head_size,
+            content - head_size,
+            block_size,
+            ctypes.c_float(scale),
+            ctypes.c_float(logits_soft_cap or 0.0),
+            window or 0,
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            torch.get_num_threads(),
+            use_amx,
+        )
+
+    # Decode tiles come first in the table. Prefill tiles take the AMX path
+    # where it exists; decodes, with few query rows per KV head, measured
+    # slower there (benchmarks/ANALYSIS.md).
+    nd = plan.num_decodes
+    amx = (
+        prefills
+        and envs.VLLM_BR_CPU_ATTENTION_AMX
+        and dtype == torch.bfloat16
+        and lib.vllm_br_attention_has_amx()
     )
-    if not ran:
+    parts = [(tiles[:nd], 0), (tiles[nd:], 1)] if amx and nd else [(tiles, int(amx))]
+    if not all(run(part, use_amx) for part, use_amx in parts):
         return False, False
     return plan.num_decodes > 0, prefills
 
