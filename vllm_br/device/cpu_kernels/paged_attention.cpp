@@ -22,6 +22,10 @@
 // head_size + head_size_v] view given by its strides (last dim contiguous); K
 // is [..., :head_size], V is [..., head_size:].
 //
+// On CPUs with AMX, bf16 prefill tiles can instead run on AMX tiles
+// (attend_amx below, where the caller asks for it): the scores come from
+// tile products and the softmax weights are rounded to bf16 for P V.
+//
 // Vectors are GCC vector extensions: 16 floats (one AVX-512 register, two on
 // AVX2) for head sizes that are multiples of 32, else 8. A head is handled in
 // chunks of two vectors: a bfloat16 chunk is loaded as 32-bit words whose low
@@ -325,6 +329,35 @@ struct KVStream {
   }
 };
 
+// One thread's share of the tiles: it takes whole tiles (all KV heads) from
+// the shared counter, one at a time like a dynamic schedule, and takes the
+// next one before computing the current one so that it can stream the next
+// one's K|V meanwhile, spread over the current tile's key steps
+// (steps_of(tile) of them, each calling stream.step(per_step)).
+template <typename T, typename Item, typename StepsOf>
+void take_tiles(const Args& a, std::atomic<int64_t>& next_tile, KVStream<T>& stream,
+                Item&& attend_item, StepsOf&& steps_of) {
+  auto tile_at = [&](int64_t t) { return a.tiles + t * TILE_FIELDS; };
+  int64_t cur = next_tile.fetch_add(1);
+  if (cur < a.num_tiles) {  // the first tile has nothing to overlap with
+    stream.start(tile_at(cur));
+    stream.step(INT64_MAX);
+  }
+  while (cur < a.num_tiles) {
+    const int32_t* tile = tile_at(cur);
+    const int64_t nxt = next_tile.fetch_add(1);
+    if (nxt < a.num_tiles)
+      stream.start(tile_at(nxt));
+    else
+      stream.stop();
+    const int64_t steps = a.num_kv_heads * steps_of(tile);
+    const int64_t per_step = steps > 0 ? (stream.lines() + steps - 1) / steps : 0;
+    for (int h = 0; h < a.num_kv_heads; ++h) attend_item(tile, h, per_step);
+    stream.step(INT64_MAX);  // whatever the estimate left
+    cur = nxt;
+  }
+}
+
 // V: vector type; NC: chunks of 2 * W values per head (compile time, so a K
 // row stays in registers while every row of the tile reads it); RG: rows
 // accumulated together in the PV pass (their accumulators stay in registers).
@@ -339,10 +372,7 @@ void attend(const Args& a) {
   const int bs = a.block_size;
   const int bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctz(bs) : -1;
   const bool capped = a.soft_cap > 0.0f;
-  // Threads take whole tiles (all KV heads) from a shared counter, one at a
-  // time like a dynamic schedule, and take the next one before computing the
-  // current one so that they can stream its K|V meanwhile.
-  std::atomic<int64_t> next_tile{0};
+  std::atomic<int64_t> next_tile{0};  // the threads' take_tiles() counter
 #pragma omp parallel num_threads(a.num_threads)
   {
     std::vector<float> qf, s;
@@ -526,30 +556,14 @@ void attend(const Args& a) {
       }
     };
 
-    auto tile_at = [&](int64_t t) { return a.tiles + t * TILE_FIELDS; };
-    int64_t cur = next_tile.fetch_add(1);
-    if (cur < a.num_tiles) {  // the first tile has nothing to overlap with
-      stream.start(tile_at(cur));
-      stream.step(INT64_MAX);
-    }
-    while (cur < a.num_tiles) {
-      const int32_t* tile = tile_at(cur);
-      const int64_t nxt = next_tile.fetch_add(1);
-      if (nxt < a.num_tiles)
-        stream.start(tile_at(nxt));
-      else
-        stream.stop();
-      // Spread the next tile's lines over this tile's key steps (pass 1 in
-      // groups of four keys, pass 2 once per key and row group).
+    // Key steps of a tile and KV head: pass 1 in groups of four keys, pass
+    // 2 once per key and row group.
+    take_tiles(a, next_tile, stream, attend_item, [&](const int32_t* tile) {
       const TileKeys tk = tile_keys(a, tile);
       const int64_t n = std::max(tk.k1 - tk.k0, 0);
       const int64_t groups = (int64_t(tile[TILE_TOKENS]) * G + RG - 1) / RG;
-      const int64_t steps = a.num_kv_heads * (n / 4 + n % 4 + n * groups);
-      const int64_t per_step = steps > 0 ? (stream.lines() + steps - 1) / steps : 0;
-      for (int h = 0; h < a.num_kv_heads; ++h) attend_item(tile, h, per_step);
-      stream.step(INT64_MAX);  // whatever the estimate left
-      cur = nxt;
-    }
+      return n / 4 + n % 4 + n * groups;
+    });
   }
 }
 
@@ -795,6 +809,8 @@ void attend_amx(const Args& a) {
       // Pass 2: weights rounded to bf16 (as PyTorch's flash kernel rounds
       // them) times V. V rows outside [k0, k1) are zeros, not read: they
       // may be another sequence's or uninitialised (0 * NaN is NaN).
+      // Rows past `rows` in the last row tile stay unset: a tile product's
+      // row i reads only row i of P, and those output rows are not stored.
       pb.resize(s.size());
       to_bf16(s.data(), pb.data(), static_cast<int64_t>(rows) * ns);
       vt.resize(static_cast<size_t>(ns / 32) * E * 256);
@@ -854,28 +870,15 @@ void attend_amx(const Args& a) {
       }
     };
 
-    auto tile_at = [&](int64_t t) { return a.tiles + t * TILE_FIELDS; };
-    int64_t cur = next_tile.fetch_add(1);
-    if (cur < a.num_tiles) {
-      stream.start(tile_at(cur));
-      stream.step(INT64_MAX);
-    }
-    while (cur < a.num_tiles) {
-      const int32_t* tile = tile_at(cur);
-      const int64_t nxt = next_tile.fetch_add(1);
-      if (nxt < a.num_tiles)
-        stream.start(tile_at(nxt));
-      else
-        stream.stop();
+    // Key steps of a tile and KV head: per 16-key group and row tile in
+    // pass 1, per key pair in the V rearrangement. (Only decode tiles are
+    // streamed, and the caller sends this path prefills.)
+    take_tiles(a, next_tile, stream, attend_item, [&](const int32_t* tile) {
       const TileKeys tk = tile_keys(a, tile);
       const int64_t n = std::max(tk.k1 - (tk.k0 & ~15), 0);
       const int64_t rts = (int64_t(tile[TILE_TOKENS]) * G + 15) / 16;
-      const int64_t steps = a.num_kv_heads * (rts * ((n + 15) / 16) + (n + 31) / 32 * 16);
-      const int64_t per_step = steps > 0 ? (stream.lines() + steps - 1) / steps : 0;
-      for (int h = 0; h < a.num_kv_heads; ++h) attend_item(tile, h, per_step);
-      stream.step(INT64_MAX);
-      cur = nxt;
-    }
+      return rts * ((n + 15) / 16) + (n + 31) / 32 * 16;
+    });
     _tile_release();
   }
 }
