@@ -219,6 +219,21 @@ inline float softmax_numerators(float* x, int n) {
   return sum;
 }
 
+// A score row sr[0, len): the softmax numerators of [lo, hi) (the scores
+// times `scale` first, through the soft cap when there is one), zeros
+// elsewhere. Returns 1 / their sum (0 for an empty range).
+inline float softmax_row(float* sr, int lo, int hi, int len, float scale,
+                         float soft_cap) {
+  std::fill(sr, sr + lo, 0.0f);
+  std::fill(sr + hi, sr + len, 0.0f);
+  if (hi == lo) return 0.0f;
+  if (soft_cap > 0.0f)
+    for (int j = lo; j < hi; ++j) sr[j] = std::tanh(sr[j] * scale / soft_cap) * soft_cap;
+  else if (scale != 1.0f)
+    for (int j = lo; j < hi; ++j) sr[j] *= scale;
+  return 1.0f / softmax_numerators(sr + lo, hi - lo);
+}
+
 inline int64_t block_id(int32_t b, int32_t num_blocks) {
   return b < 0 ? 0 : (b >= num_blocks ? num_blocks - 1 : b);
 }
@@ -503,20 +518,11 @@ void attend(const Args& a) {
         }
       }
       // Softmax per row over its own keys; the rest of the row becomes 0.
-      for (int row = 0; row < rows; ++row) {
-        float* sr = s.data() + static_cast<size_t>(row) * n;
-        const int lo = row_lo[row], hi = std::max(row_hi[row], row_lo[row]);
-        std::fill(sr, sr + lo, 0.0f);
-        std::fill(sr + hi, sr + n, 0.0f);
-        if (hi == lo) {
-          inv[row] = 0.0f;
-          continue;
-        }
-        if (capped)
-          for (int j = lo; j < hi; ++j)
-            sr[j] = std::tanh(sr[j] * a.scale / a.soft_cap) * a.soft_cap;
-        inv[row] = 1.0f / softmax_numerators(sr + lo, hi - lo);
-      }
+      // Scores are scaled already unless capped.
+      for (int row = 0; row < rows; ++row)
+        inv[row] = softmax_row(s.data() + static_cast<size_t>(row) * n, row_lo[row],
+                               std::max(row_hi[row], row_lo[row]), n,
+                               capped ? a.scale : 1.0f, a.soft_cap);
       // Pass 2: probabilities times V, RG rows at a time so their
       // accumulators stay in registers while a V row is read once.
       const T* vbase = kbase + D;
@@ -643,7 +649,6 @@ void attend_amx(const Args& a) {
   uint16_t* out = static_cast<uint16_t*>(a.out);
   const int bs = a.block_size;
   const int bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctz(bs) : -1;
-  const bool capped = a.soft_cap > 0.0f;
   const int64_t key_bytes = a.c_sn * int64_t(sizeof(uint16_t));
   std::atomic<int64_t> next_tile{0};
 #pragma omp parallel num_threads(a.num_threads)
@@ -790,21 +795,10 @@ void attend_amx(const Args& a) {
       }
       // Softmax per row over its own keys; the rest of the row becomes 0.
       for (int row = 0; row < rows; ++row) {
-        float* sr = s.data() + static_cast<size_t>(row) * ns;
         const int lo = std::max(row_lo[row], 0);
         const int hi = std::min(std::max(row_hi[row], lo), m);
-        std::fill(sr, sr + lo, 0.0f);
-        std::fill(sr + hi, sr + ns, 0.0f);
-        if (hi == lo) {
-          inv[row] = 0.0f;
-          continue;
-        }
-        if (capped)
-          for (int j = lo; j < hi; ++j)
-            sr[j] = std::tanh(sr[j] * a.scale / a.soft_cap) * a.soft_cap;
-        else
-          for (int j = lo; j < hi; ++j) sr[j] *= a.scale;
-        inv[row] = 1.0f / softmax_numerators(sr + lo, hi - lo);
+        inv[row] = softmax_row(s.data() + static_cast<size_t>(row) * ns, lo, hi, ns,
+                               a.scale, a.soft_cap);
       }
       // Pass 2: weights rounded to bf16 (as PyTorch's flash kernel rounds
       // them) times V. V rows outside [k0, k1) are zeros, not read: they
