@@ -262,6 +262,18 @@ struct Args {
   int32_t use_amx;  // the AMX path where it applies (bf16, head 64/128/256)
 };
 
+// Key k's row in `base` (one head's K or V in the cache) through a request's
+// block-table row btr; shifts, not divisions, where the block size is a power
+// of two (bs_shift >= 0, as it is in practice).
+template <typename T>
+inline const T* key_row(const Args& a, const int32_t* btr, int bs_shift, const T* base,
+                        int k) {
+  const int bs = a.block_size;
+  const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
+  const int i = bs_shift >= 0 ? k & (bs - 1) : k % bs;
+  return base + block_id(btr[b], a.num_blocks) * a.c_sb + int64_t(i) * a.c_sn;
+}
+
 // The keys [k0, k1) that a tile reads: token t sits at position pos0 + t and
 // attends the keys at positions <= its own (and > position - window).
 struct TileKeys {
@@ -295,11 +307,8 @@ struct KVStream {
   const char* row = nullptr;
   int k = 0, k1 = 0, hh = 0, off = 0, row_bytes = 0;
   const char* row_of(int key, int head) const {
-    const int b = bs_shift >= 0 ? key >> bs_shift : key / a->block_size;
-    const int i = bs_shift >= 0 ? key & (a->block_size - 1) : key % a->block_size;
     const T* base = static_cast<const T*>(a->cache) + int64_t(head) * a->c_sh;
-    return reinterpret_cast<const char*>(
-        base + block_id(btr[b], a->num_blocks) * a->c_sb + int64_t(i) * a->c_sn);
+    return reinterpret_cast<const char*>(key_row(*a, btr, bs_shift, base, key));
   }
   // Lines left to fetch.
   int64_t lines() const {
@@ -446,12 +455,8 @@ void attend(const Args& a) {
       const int32_t* btr = a.bt + r * a.bt_st;
       const T* kbase = cache + int64_t(h) * a.c_sh;
       // Pass 1: scores. A K row in registers, every row that sees that key.
-      // Block sizes are powers of two in practice: shifts, not divisions.
       auto row_at = [&](const T* base, int k) {
-        const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
-        const int i = bs_shift >= 0 ? k & (bs - 1) : k % bs;
-        return base + block_id(btr[b], a.num_blocks) * a.c_sb +
-               int64_t(i) * a.c_sn;
+        return key_row(a, btr, bs_shift, base, k);
       };
       // One head's K|V of consecutive tokens are a whole token's heads apart:
       // too sparse for the hardware prefetcher, so fetch a few keys ahead.
@@ -708,9 +713,7 @@ void attend_amx(const Args& a) {
       const int32_t* btr = a.bt + r * a.bt_st;
       const uint16_t* kbase = cache + int64_t(h) * a.c_sh;
       auto row_at = [&](const uint16_t* base, int k) {
-        const int b = bs_shift >= 0 ? k >> bs_shift : k / bs;
-        const int i = bs_shift >= 0 ? k & (bs - 1) : k % bs;
-        return base + block_id(btr[b], a.num_blocks) * a.c_sb + int64_t(i) * a.c_sn;
+        return key_row(a, btr, bs_shift, base, k);
       };
       auto prefetch_group = [&](int k) {  // K|V of keys [k, k + 16)
         for (int i = 0; i < 16 && k + i < k1; ++i) {
