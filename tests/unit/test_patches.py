@@ -336,3 +336,44 @@ def test_supernode_patch_wraps_its_ledger_target_in_the_worker():
     assert source.index("supernode_groups.install()") < source.index(
         "init_worker_distributed_environment("
     )
+
+
+# ---- child-process-fast-exit --------------------------------------------------
+def _exit_in_child(conn) -> None:
+    """Runs in a spawned child: apply the ledger entry, run the exit handlers
+    as the interpreter would, report whether the heap ended up frozen."""
+    import atexit
+    import gc
+
+    from vllm_br import patches as child_patches
+
+    child_patches._APPLY["child-process-fast-exit"]()
+    before = gc.get_freeze_count()
+    atexit._run_exitfuncs()
+    conn.send((before, gc.get_freeze_count()))
+
+
+def test_fast_exit_freezes_the_heap_at_exit_of_a_spawned_process():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # how vLLM starts SUPA processes
+    # A pipe, not a Queue: the exit handlers stop a Queue's feeder thread.
+    receiver, sender = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_exit_in_child, args=(sender,))
+    proc.start()
+    assert receiver.poll(120), "the child sent nothing"
+    before, after = receiver.recv()
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert before == 0 and after > 0  # frozen by the exit handler, not before
+
+
+def test_fast_exit_leaves_the_users_own_process_alone():
+    import atexit
+    import gc
+
+    from vllm_br import process_exit
+
+    assert process_exit.install_fast_exit() is False  # pytest is no mp child
+    atexit.unregister(process_exit._freeze_heap)  # in case; then nothing runs
+    assert gc.get_freeze_count() == 0
