@@ -126,25 +126,35 @@ def _model_modes():
 
 
 @pytest.fixture(scope="module")
-def model(request):
-    name = request.param
-    model_dir = request.getfixturevalue(f"{name}_dir")
-    if name == "smollm2":
-        from transformers import AutoTokenizer
+def eager_run(request):
+    """name -> (model dir, prompts, eager outputs), each model's eager engine
+    run once per module. A cache, not an indirect parameter: pytest would set
+    an indirect fixture up again for every (model, mode) pair."""
+    runs = {}
 
-        prompts = prompt_token_ids_of_lengths(
-            AutoTokenizer.from_pretrained(model_dir), LENGTHS
-        )
-    else:
-        prompts = prompt_token_ids_of_lengths(512, LENGTHS)
-    with llm_engine(model_dir, dtype="float32", enforce_eager=True, **ENGINE) as llm:
-        eager = _serve_batches(llm, prompts)
-    return name, model_dir, prompts, eager
+    def get(name: str):
+        if name not in runs:
+            model_dir = request.getfixturevalue(f"{name}_dir")
+            if name == "smollm2":
+                from transformers import AutoTokenizer
+
+                prompts = prompt_token_ids_of_lengths(
+                    AutoTokenizer.from_pretrained(model_dir), LENGTHS
+                )
+            else:
+                prompts = prompt_token_ids_of_lengths(512, LENGTHS)
+            with llm_engine(
+                model_dir, dtype="float32", enforce_eager=True, **ENGINE
+            ) as llm:
+                runs[name] = (model_dir, prompts, _serve_batches(llm, prompts))
+        return runs[name]
+
+    return get
 
 
-@pytest.mark.parametrize("model,mode", list(_model_modes()), indirect=["model"])
-def test_graph_mode_matches_eager_float32(model, mode):
-    name, model_dir, prompts, eager = model
+@pytest.mark.parametrize("name,mode", list(_model_modes()))
+def test_graph_mode_matches_eager_float32(eager_run, name, mode):
+    model_dir, prompts, eager = eager_run(name)
     compile_mode, asked, served, captured_modes = MODES[mode]
     config = {
         "mode": compile_mode,
