@@ -207,3 +207,21 @@ def test_decode_gemm_stream_tiny(tmp_path):
     assert step["saving_bound_ms"] == pytest.approx(
         step["cold_ms"] - step["overlap_bound_ms"]
     )
+
+
+def test_engine_startup_tiny(tiny_llama_dir, tmp_path):
+    """engine_startup.py starts, uses and stops an engine in a fresh process
+    and reports it (one build, one round: each run is ~20 s of start-up)."""
+    out = tmp_path / "startup.json"
+    subprocess.run(
+        [sys.executable, str(BENCH / "engine_startup.py"),
+         "--model", str(tiny_llama_dir), "--dtype", "float32",
+         "--builds", f"a={ROOT}", "--repeats", "1",
+         "--json-out", str(out)],
+        cwd=ROOT, env=_env(), check=True, timeout=300,
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    (run,) = data["runs"]["a"]
+    _positive(run, ["start_s", "first_s", "stop_s"])
+    assert data["summary"]["a"]["start_s"]["median"] == run["start_s"]
+    assert data["summary"]["a"]["start_s"]["ratio_to_a"] == 1.0
