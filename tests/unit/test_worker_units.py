@@ -276,7 +276,7 @@ class _StopHere(Exception):
 def test_init_device_freezes_the_imported_heap_first(worker_mod, monkeypatch):
     """The worker freezes what the imports left before anything else, so the
     gc.collect() calls vLLM makes while loading and profiling scan only what
-    start-up creates (about 4.5 s less start-up per engine on 2 cores)."""
+    start-up creates (about 3 s less start-up per engine on 2 cores)."""
     import gc
 
     def stop():

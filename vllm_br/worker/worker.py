@@ -50,8 +50,9 @@ class SUPAWorker(Worker):
         # Everything imported so far (torch, transformers, vLLM) lives as long
         # as the process: freeze it, so the gc.collect() calls vLLM makes
         # while loading and profiling (six of them, each a full scan of that
-        # heap, ~0.7 s on 2 cores) only scan what start-up creates. vLLM
-        # freezes the heap the same way once start-up is done (freeze_gc_heap).
+        # heap, ~0.7 s on 2 cores) only scan what start-up creates.
+        # compile_or_warm_up_model unfreezes it and freezes the whole heap for
+        # serving, as vLLM does once start-up is done (freeze_gc_heap).
         gc.freeze()
         backend = get_backend()
         install_stream_aliases(backend)
@@ -218,7 +219,11 @@ class SUPAWorker(Worker):
         set_random_seed(
             self.model_config.seed, self.parallel_config.data_parallel_index
         )
-        # Weights and KV cache are static from here on: keep them out of GC scans.
+        # Weights and KV cache are static from here on: keep them out of GC
+        # scans. Unfrozen first, so the one full collection in freeze_gc_heap
+        # also frees what the imports left (init_device froze it) and serving
+        # starts from the same heap as without the early freeze.
+        gc.unfreeze()
         freeze_gc_heap()
         return CompilationTimes(
             language_model=self.compilation_config.compilation_time,
