@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Set up if needed, then run the default test suite: everything but the
-# `slow` tier (903 s on a 2-core AMD EPYC host on 2026-12-04; about 1500 s
-# there before the worker froze its start-up heap and vLLM's processes
-# skipped the final GC at exit). Extra arguments go to pytest instead, e.g.
-# scripts/test.sh tests/unit -k envs, or scripts/test.sh -m slow.
+# `slow` tier (about 15 min on a 2-core AMD EPYC host on 2026-12-04, about
+# 25 min there before the worker froze its heap during start-up). Extra
+# arguments go to pytest instead, e.g. scripts/test.sh tests/unit -k envs,
+# or scripts/test.sh -m slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -121,21 +121,6 @@ LEDGER: list[Patch] = [
         ),
         scope="engine core (every process that loaded vLLM's Ray executor)",
     ),
-    Patch(
-        name="child-process-fast-exit",
-        target="atexit (gc.freeze at exit in vLLM's spawned processes)",
-        why=(
-            "Python's final cyclic GC over a vLLM process's heap takes ~2.5 s on "
-            "2 cores and frees nothing the OS does not reclaim; every engine or "
-            "server stop waits for it in the engine core and each worker. An "
-            "atexit gc.freeze() skips it, as vLLM does on ROCm for a clean "
-            "engine-core exit (vllm_br/process_exit.py). Not a monkey patch; "
-            "listed because it changes process-global exit behaviour. Only in "
-            "processes started by multiprocessing, never the user's own."
-        ),
-        remove_when="vLLM freezes the heap at exit on every platform.",
-        scope="every process started by multiprocessing (engine core, workers)",
-    ),
 ]
 
 
@@ -218,17 +203,10 @@ def _ray_executor_supa_devices() -> None:
         install_ray_executor()
 
 
-def _child_process_fast_exit() -> None:
-    from vllm_br.process_exit import install_fast_exit
-
-    install_fast_exit()
-
-
 _APPLY: dict[str, Callable[[], None]] = {
     "cpu-torch-accelerator": _cpu_torch_accelerator,
     "cli-config-error-hook": _cli_config_error_hook,
     "ray-executor-supa-devices": _ray_executor_supa_devices,
-    "child-process-fast-exit": _child_process_fast_exit,
 }
 
 
