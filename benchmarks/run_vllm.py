@@ -22,9 +22,11 @@ Pure decode steps at batch B are those whose forward ran B tokens and
 computed B logits rows, followed by another such step;
 ``host_overhead = median(step wall - model time)`` over those steps.
 
-``--profile torch|cprofile`` additionally profiles one timed generate inside
-the engine-core process (where the uniproc worker runs) and writes the
-top of the table to ``<json-out>.profile.txt``.
+``--profile torch|torch-shapes|cprofile`` additionally profiles one timed
+generate inside the engine-core process (where the uniproc worker runs) and
+writes the top of the table to ``<json-out>.profile.txt``; ``torch-shapes``
+records input shapes and adds a table grouped by them (which GEMM row counts
+the time goes to).
 
 Writes a JSON (``--json-out``) with the per-repeat metrics; see
 ``workloads.py`` for the workload definitions.
@@ -129,10 +131,13 @@ def rpc_collect_timer(worker: Any) -> list[tuple[str, float, float, int]]:
 
 def rpc_profile_start(worker: Any, kind: str) -> bool:
     w = _unwrap(worker)
-    if kind == "torch":
+    if kind.startswith("torch"):
         import torch
 
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            record_shapes=kind == "torch-shapes",
+        )
         prof.__enter__()
     else:
         import cProfile
@@ -148,15 +153,26 @@ def rpc_profile_stop(worker: Any) -> str:
 
     w = _unwrap(worker)
     kind, prof = w._bench_prof
-    if kind == "torch":
+    if kind.startswith("torch"):
         prof.__exit__(None, None, None)
         ka = prof.key_averages()
-        return (
+        text = (
             "== torch.profiler, sorted by self CPU time ==\n"
             + ka.table(sort_by="self_cpu_time_total", row_limit=40)
             + "\n== sorted by total CPU time ==\n"
             + ka.table(sort_by="cpu_time_total", row_limit=40)
         )
+        if kind == "torch-shapes":
+            text += (
+                "\n== by input shapes, sorted by self CPU time ==\n"
+                + prof.key_averages(group_by_input_shape=True).table(
+                    sort_by="self_cpu_time_total",
+                    row_limit=60,
+                    max_name_column_width=40,
+                    max_shapes_column_width=120,
+                )
+            )
+        return text
     import pstats
 
     prof.disable()
@@ -282,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-timing", action="store_true", help="do not install the step timer"
     )
-    ap.add_argument("--profile", choices=["torch", "cprofile"], default=None)
+    ap.add_argument(
+        "--profile", choices=["torch", "torch-shapes", "cprofile"], default=None
+    )
     ap.add_argument("--engine-args", default="{}", help="extra LLM(...) kwargs as JSON")
     args = ap.parse_args(argv)
     names = [w.strip() for w in args.workload.split(",") if w.strip()]

@@ -61,6 +61,8 @@ def test_benchmark_runners_tiny(tiny_llama_dir, tmp_path):
         "--label",
         "plugin",
         *small,
+        "--profile",
+        "torch-shapes",
         "--json-out",
         str(tmp_path / "plugin-{workload}.json"),
     ]
@@ -159,6 +161,13 @@ def test_benchmark_runners_tiny(tiny_llama_dir, tmp_path):
         assert d["batch"] == batch
         _positive(d, ["steps", "step_wall_s", "model_s", "forward_s"])
         assert d["step_wall_s"] >= d["model_s"] * 0.5
+    # --profile torch-shapes: the GEMMs' time split by input shape; W1's
+    # batch-4 decode steps multiply 4-row inputs.
+    prof = (tmp_path / "plugin-W1.json.profile.txt").read_text()
+    by_shape = prof.split("== by input shapes")[1]
+    assert any(
+        "packed_linear" in line and "[[4, " in line for line in by_shape.splitlines()
+    ), by_shape[:3000]
     hf_w1 = json.loads((tmp_path / "hf-W1.json").read_text())
     assert hf_w1["batch_size"] in (1, 4)
     assert [t["batch_size"] for t in hf_w1["tuning"]] == [1, 4]
