@@ -74,8 +74,10 @@ def count_ops(worker) -> None:
     counted (and grouped_topk's routing settings recorded)."""
     from vllm_br.ops import registry
 
-    calls = registry.__dict__.setdefault("_test_calls", {})
-    routing = registry.__dict__.setdefault("_test_routing", set())
+    # Fresh records: an in-process engine shares this module with the
+    # engines before it.
+    calls = registry._test_calls = {}
+    routing = registry._test_routing = set()
     for name in _COUNTED:
         fn = registry.get_op(name)
         calls[name] = 0

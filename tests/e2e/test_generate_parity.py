@@ -66,7 +66,11 @@ def test_float32_identical_batched_with_prefix_cache(model):
     prefix cache (hits confirmed by vLLM's counters), still identical."""
     name, model_dir, prompts = model
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS, "float32")
-    with llm_engine(model_dir, dtype="float32", enable_prefix_caching=True) as llm:
+    # Its own engine process: the KV cache is sized from the emulated
+    # device's memory as a user's is (in-process engines get a fixed one).
+    with llm_engine(
+        model_dir, dtype="float32", enable_prefix_caching=True, own_process=True
+    ) as llm:
         facts = llm.collective_rpc(worker_facts)[0]
         assert facts["platform"] == "SUPAPlatform"
         assert facts["worker"] == "SUPAWorker"

@@ -38,6 +38,10 @@ LENGTHS = [120, 5, 40, 300, 17, 60, 9, 126, 33, 70, 12]
 MAX_TOKENS = 16
 # A small token budget keeps the profile run and the compile quick.
 ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)
+# Engines that compile or capture run in their own process, as a user's do:
+# the graph pool, the compile counters and dynamo's caches are per process.
+# (The eager references run in the test process.)
+GRAPHS = dict(ENGINE, own_process=True)
 
 # mode -> (compilation mode, cudagraph mode asked for, mode the runner
 # serves, runtime modes that hold captured graphs)
@@ -162,7 +166,7 @@ def test_graph_mode_matches_eager_float32(eager_run, name, mode):
         "cudagraph_capture_sizes": CAPTURE_SIZES,
     }
     with llm_engine(
-        model_dir, dtype="float32", compilation_config=config, **ENGINE
+        model_dir, dtype="float32", compilation_config=config, **GRAPHS
     ) as llm:
         start = llm.collective_rpc(graph_facts)[0]
         got = _serve_batches(llm, prompts)
@@ -198,7 +202,7 @@ def test_graphs_follow_logprobs_rule_bfloat16(tiny_qwen3_moe_dir):
     with llm_engine(model, dtype="bfloat16", enforce_eager=True, **ENGINE) as llm:
         eager = _serve_batches(llm, prompts, logprobs=5)
     with llm_engine(
-        model, dtype="bfloat16", compilation_config=config, **ENGINE
+        model, dtype="bfloat16", compilation_config=config, **GRAPHS
     ) as llm:
         graphs = _serve_batches(llm, prompts, logprobs=5)
         assert llm.collective_rpc(graph_facts)[0]["replays"] > 0
@@ -219,7 +223,7 @@ def test_cpu_default_follows_logprobs_rule_bfloat16(smollm2_dir):
     with llm_engine(smollm2_dir, dtype="bfloat16", enforce_eager=True, **ENGINE) as llm:
         eager = _serve_batches(llm, prompts, logprobs=5)
     with llm_engine(
-        smollm2_dir, dtype="bfloat16", enforce_eager=False, **ENGINE
+        smollm2_dir, dtype="bfloat16", enforce_eager=False, **GRAPHS
     ) as llm:
         facts = llm.collective_rpc(graph_facts)[0]
         default = _serve_batches(llm, prompts, logprobs=5)

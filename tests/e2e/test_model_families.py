@@ -58,6 +58,10 @@ ENGINE_KWARGS = {
     # the checkpoint folder, imported locally). ChatGLM needs nothing: vLLM
     # reads model_type "chatglm" with its own ChatGLMConfig.
     "internlm2": dict(trust_remote_code=True),
+    # vLLM's Transformers modeling backend decorates transformers' own
+    # GlmModel class in place (support_torch_compile), which would break the
+    # HF reference of later tests in this process.
+    "glm": dict(own_process=True),
 }
 
 # The plugin layers every model natively written for vLLM runs (as Llama).
