@@ -206,8 +206,10 @@ def test_versions_and_kernels(backend):
 )
 def test_bf16_matmul_policy(backend, monkeypatch, env, avx512_bf16, amx, expect):
     monkeypatch.setenv("VLLM_BR_CPU_BF16_MATMUL", env)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    from vllm_br.device import cpu_isa
+
+    isa = cpu_isa.HostISA(avx512=True, avx512_bf16=avx512_bf16, amx_bf16=amx)
+    monkeypatch.setattr(cpu_isa, "host_isa", lambda: isa)
     assert backend.matmul_dtype(torch.bfloat16) == expect
     assert backend.matmul_dtype(torch.float32) == torch.float32
 

@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from vllm_br import envs
+from vllm_br.device import cpu_isa
 from vllm_br.device.base import DeviceBackend, DeviceProperties, Topology
 from vllm_br.logger import init_logger
 
@@ -224,12 +225,10 @@ class CpuBackend(DeviceBackend):
             return dtype
         mode = envs.VLLM_BR_CPU_BF16_MATMUL
         if mode == "auto":
-            # Without these, torch's bf16 GEMM falls back to a slow generic
-            # loop (measured 8 GFLOP/s against 157 in fp32 on a 2-core AVX2 host).
-            native = torch.cpu._is_avx512_bf16_supported() or (
-                torch.cpu._is_amx_tile_supported()
-            )
-            mode = "native" if native else "fp32"
+            # Without AVX512-BF16 or AMX, torch's bf16 GEMM falls back to a
+            # slow generic loop (measured 8 GFLOP/s against 157 in fp32 on a
+            # 2-core AVX2 host).
+            mode = "native" if cpu_isa.host_isa().fast_bf16 else "fp32"
         return torch.bfloat16 if mode == "native" else torch.float32
 
     def manual_seed_all(self, seed: int) -> None:

@@ -3,7 +3,8 @@
 The cpu backend runs the ops' PyTorch references, except where a profile
 showed a reference far from what the host can do; those ops get a small C++
 kernel here, checked against the reference by the unit tests. The library is
-compiled once per source, compiler and CPU (``-march=native``) into
+compiled once per source, compiler and CPU (``-march=native``, less what
+``ONEDNN_MAX_CPU_ISA`` caps: ``vllm_br.device.cpu_isa``) into
 ``VLLM_BR_KERNEL_CACHE`` and loaded with ctypes. It links the process's
 libgomp (the one torch loaded), so its OpenMP threads are torch's.
 
@@ -27,12 +28,18 @@ from pathlib import Path
 import torch
 
 from vllm_br import envs
+from vllm_br.device import cpu_isa
 from vllm_br.logger import init_logger
 
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "gemv.cpp", "argmax.cpp")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+
+
+def _flags() -> tuple[str, ...]:
+    """The compiler flags: native code, less what ONEDNN_MAX_CPU_ISA caps."""
+    return _FLAGS + cpu_isa.host_isa().compiler_flags()
 
 
 def _cpu_signature() -> str:
@@ -53,7 +60,7 @@ def _library_path(compiler: str) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    for part in (version, " ".join(_FLAGS), _cpu_signature()):
+    for part in (version, " ".join(_flags()), _cpu_signature()):
         h.update(part.encode())
     return (
         Path(envs.VLLM_BR_KERNEL_CACHE).expanduser()
@@ -69,7 +76,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [compiler, *_FLAGS, "-o", tmp, *(str(here / s) for s in _SOURCES)]
+        cmd = [compiler, *_flags(), "-o", tmp, *(str(here / s) for s in _SOURCES)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(res.stderr.strip()[-2000:])

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_br import envs
+from vllm_br.device import cpu_isa
 from vllm_br.device.cpu_kernels import gemv
 from vllm_br.layers import weight_layout
 from vllm_br.ops import embedding
@@ -92,9 +93,8 @@ _TABLE: dict[int, _Entry] = {}
 def host_supported() -> bool:
     """Whether this host multiplies bf16 fast (AVX512-BF16 or AMX) and torch
     has oneDNN's linear-weight packing."""
-    fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return (
-        fast
+        cpu_isa.host_isa().fast_bf16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
