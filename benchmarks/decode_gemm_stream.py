@@ -4,10 +4,15 @@ weight stream.
 For SmolLM2-135M-Instruct's GEMM shapes at ``--rows`` rows (64: W1's decode
 batch), at ``--threads`` threads, it times one call of
 
-- ``hot``: the oneDNN-packed GEMM (what ``packed_linear`` runs) on one weight
-  over and over, so the weight is in cache: the compute alone;
-- ``cold``: the same GEMM cycling through a pool of distinct packed weights
-  of at least ``--pool-mib`` MiB (beyond what this host's L3 keeps), as in a
+- ``hot``: the GEMM the plugin's cpu backend runs at that row count on this
+  host, on one weight over and over, so the weight is in cache: the compute
+  alone. On a host with fast bf16 (AVX512-BF16 or AMX) that is the
+  oneDNN-packed GEMM (``packed_linear``, path ``packed_bf16``); without it,
+  the float32 weight copy (path ``fp32_copy``) or, at few rows, the plain
+  bf16 weight (``plain_bf16``), as ``vllm_br.ops.matmul.use_fp32_copy``
+  decides;
+- ``cold``: the same GEMM cycling through a pool of distinct weights of at
+  least ``--pool-mib`` MiB (beyond what this host's L3 keeps), as in a
   decode step, where each layer's weights come from memory;
 - ``read``: a plain read (``sum`` over a float32 view) of the same number of
   cold bytes: the weight stream alone.
@@ -32,30 +37,55 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from bf16_gemm_rows import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
 from packed_gemm_rows import _hint, machine, time_rotating, write_json
 
 LAYER_SHAPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+def gemm_path(rows: int, threads: int) -> str:
+    """The GEMM the plugin's cpu backend runs for a bf16 model at ``rows``."""
+    from vllm_br.device.cpu_kernels import packed_linear
+    from vllm_br.ops import matmul
+
+    if packed_linear.host_supported():
+        return "packed_bf16"
+    return "fp32_copy" if matmul.use_fp32_copy(rows, "auto", threads) else "plain_bf16"
+
+
 def measure(
-    out_f: int, in_f: int, rows: int, calls: int, pool_mib: float, hint: int | None
+    out_f: int,
+    in_f: int,
+    rows: int,
+    calls: int,
+    pool_mib: float,
+    hint: int | None,
+    path: str,
 ) -> dict[str, float]:
-    nbytes = out_f * in_f * 2
+    dtype = torch.float32 if path == "fp32_copy" else torch.bfloat16
+    nbytes = out_f * in_f * dtype.itemsize
     pool = max(2, -(-int(pool_mib * 2**20) // nbytes))
-    plain = [(torch.randn(out_f, in_f) * 0.05).to(torch.bfloat16) for _ in range(pool)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in plain]
+    plain = [(torch.randn(out_f, in_f) * 0.05).to(dtype) for _ in range(pool)]
     # The read path streams its own copies, so that the GEMM's pool is no
     # warmer for it.
     words = [w.clone().view(torch.float32) for w in plain]
-    x = torch.randn(rows, in_f).to(torch.bfloat16)
+    x = torch.randn(rows, in_f).to(dtype)
+    if path == "packed_bf16":
+        weights = [torch.ops.mkldnn._reorder_linear_weight(w, hint) for w in plain]
 
-    def gemm(p: torch.Tensor) -> None:
-        torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        def gemm(w: torch.Tensor) -> None:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    else:
+        weights = plain
+
+        def gemm(w: torch.Tensor) -> None:
+            F.linear(x, w)
 
     paths = {
-        "hot": lambda i: gemm(packed[0]),
-        "cold": lambda i: gemm(packed[i]),
+        "hot": lambda i: gemm(weights[0]),
+        "cold": lambda i: gemm(weights[i]),
         "read": lambda i: words[i].sum(),
     }
     times = time_rotating(paths, calls, pool)
@@ -83,6 +113,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
+    path = gemm_path(args.rows, args.threads)
+    print(f"GEMM path at {args.rows} rows on this host: {path}")
     print(
         f"{'shape':13} {'MB':>6} {'hot us':>8} {'cold us':>8} {'read us':>8}"
         f" {'GFLOP/s hot':>11} {'GB/s cold':>9} {'GB/s read':>9}"
@@ -90,7 +122,9 @@ def main() -> None:
     )
     results = {}
     for name, (out_f, in_f) in shapes.items():
-        m = measure(out_f, in_f, args.rows, args.calls, args.pool_mib, _hint(args.hint))
+        m = measure(
+            out_f, in_f, args.rows, args.calls, args.pool_mib, _hint(args.hint), path
+        )
         results[name] = m
         print(
             f"{name:13} {m['bytes'] / 1e6:6.2f} {m['hot_us']:8.1f} {m['cold_us']:8.1f}"
@@ -124,6 +158,7 @@ def main() -> None:
         ),
         date=time.strftime("%Y-%m-%d %H:%M"),
         machine=machine(),
+        path=path,
         shapes=results,
         per_step=step,
     )

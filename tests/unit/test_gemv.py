@@ -1,5 +1,6 @@
 """vllm_br.device.cpu_kernels.gemv: the C++ bf16 GEMM of one or two rows
-(hosts whose compiler targets AVX512-BF16).
+(hosts whose compiler targets AVX512-BF16; elsewhere it declines every
+call).
 
 - Against an fp64 reference of the same bf16 values with the bound a bf16
   GEMM with float32 sums meets (the packed tests' ``assert_bf16_gemm``):
@@ -21,9 +22,25 @@ from test_packed_linear import _weights, _x, assert_bf16_gemm
 from vllm_br.device.cpu_kernels import gemv
 from vllm_br.device.cpu_kernels import packed_linear as pl
 
-pytestmark = pytest.mark.skipif(
-    not gemv.available(), reason="compiler does not target AVX512-BF16"
+needs_kernel = pytest.mark.skipif(
+    not gemv.available(),
+    reason="no AVX512-BF16 here: test_kernel_where_the_host_has_avx512_bf16 "
+    "checks that every call falls back",
 )
+
+
+def test_kernel_where_the_host_has_avx512_bf16():
+    """The kernel is built where the host (capped by ONEDNN_MAX_CPU_ISA) has
+    AVX512-BF16; elsewhere it declines every call and the ``linear`` op runs
+    the packed or plain GEMM (test_linear_op_takes_few_rows)."""
+    from vllm_br.device import cpu_isa
+    from vllm_br.device.cpu_kernels import load_library
+
+    assert load_library() is not None  # CI has a compiler
+    assert gemv.available() == cpu_isa.host_isa().avx512_bf16
+    if not gemv.available():
+        w, b = _weights()
+        assert gemv.gemv(_x(1), w, b) is None
 
 
 @pytest.fixture
@@ -41,6 +58,7 @@ def calls(monkeypatch):
     return n
 
 
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("out_f,in_f", [(160, 576), (7, 576), (13, 1536), (5, 45)])
@@ -52,6 +70,7 @@ def test_gemv_against_fp64(rows, bias, out_f, in_f):
     assert_bf16_gemm(out, x, w, b)
 
 
+@needs_kernel
 def test_gemv_leading_dims_and_strided_input():
     w, b = _weights()
     x3 = _x(2).view(2, 1, -1)
@@ -80,9 +99,10 @@ def test_linear_op_takes_few_rows(rows, calls, monkeypatch):
     pl.pack(w)
     x = _x(rows)
     out = pl.linear(x, w, b)
-    assert calls[0] == int(rows <= gemv.MAX_ROWS)
+    ran = int(rows <= gemv.MAX_ROWS and gemv.available())
+    assert calls[0] == ran
     assert_bf16_gemm(out, x, w, b)
     logits = pl.compute_logits(x, w, None, None)
-    assert calls[0] == 2 * int(rows <= gemv.MAX_ROWS)
+    assert calls[0] == 2 * ran
     assert_bf16_gemm(logits, x, w, None)
     pl.clear()
