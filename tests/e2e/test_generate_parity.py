@@ -61,11 +61,19 @@ def model(request):
     return name, model_dir, _prompts(model_dir, tokenizer=(name == "smollm2"))
 
 
-def test_float32_identical_batched_with_prefix_cache(model):
+@pytest.fixture(scope="module")
+def hf_float32(model):
+    """HF's float32 greedy tokens for the model's prompts, computed once
+    (two tests compare against them)."""
+    _name, model_dir, prompts = model
+    return hf_greedy(model_dir, prompts, MAX_TOKENS, "float32")
+
+
+def test_float32_identical_batched_with_prefix_cache(model, hf_float32):
     """All prompts in one batch; then the long ones again, served from the
     prefix cache (hits confirmed by vLLM's counters), still identical."""
     name, model_dir, prompts = model
-    expected = hf_greedy(model_dir, prompts, MAX_TOKENS, "float32")
+    expected = hf_float32
     # Its own engine process: the KV cache is sized from the emulated
     # device's memory as a user's is (in-process engines get a fixed one).
     with llm_engine(
@@ -105,11 +113,11 @@ def test_float32_identical_batched_with_prefix_cache(model):
         assert got_again == [expected[LENGTHS.index(n)] for n in (257, 600, 129)]
 
 
-def test_float32_identical_with_small_prefill_chunks(model):
+def test_float32_identical_with_small_prefill_chunks(model, hf_float32):
     """Chunked prefill forced to 32-token chunks mixes partial prefills with
     decodes in every step; the tokens stay identical."""
     name, model_dir, prompts = model
-    expected = hf_greedy(model_dir, prompts, MAX_TOKENS, "float32")
+    expected = hf_float32
     with llm_engine(
         model_dir,
         dtype="float32",

@@ -19,33 +19,46 @@ pytestmark = pytest.mark.e2e
 VLLM = str(Path(sys.executable).with_name("vllm"))
 
 
-def _serve_error(
-    model: Path | str, *args: str, env: dict[str, str] | None = None
-) -> str:
-    """Run `vllm serve`, expect it to fail, return its last stderr line."""
-    full_env = {**os.environ, "VLLM_BR_DEVICE": "cpu", **(env or {})}
-    proc = subprocess.Popen(
-        [VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", "0", *args],
-        env=full_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _serve_errors(
+    runs: dict[str, tuple[Path, tuple[str, ...], dict[str, str]]],
+) -> dict[str, tuple[int, str, str]]:
+    """Run `vllm serve model *args` with ``env`` for every ``runs`` entry, all
+    at once (each spends ~9 s of one core importing vLLM before it fails, so
+    two cores take about half the time of one after the other); name ->
+    (exit status, last stderr line, stderr's end). Fails if any process is left behind."""
+    procs = {
+        name: subprocess.Popen(
+            [VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", "0", *args],
+            env={**os.environ, "VLLM_BR_DEVICE": "cpu", **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (model, args, env) in runs.items()
+    }
+    results = {}
     try:
-        _, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert proc.returncode == 1, stderr[-2000:]
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    # Nothing left behind: no process still carries the server's command line.
+        for name, proc in procs.items():
+            _, stderr = proc.communicate(timeout=240)
+            lines = [line for line in stderr.splitlines() if line.strip()]
+            results[name] = (
+                proc.returncode,
+                lines[-1] if lines else "",
+                stderr[-2000:],
+            )
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    # Nothing left behind: no process still carries a server's model path.
+    models = {str(model) for model, _, _ in runs.values()}
     leftovers = [
         p.pid
         for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"] and str(model) in " ".join(p.info["cmdline"])
+        if p.info["cmdline"] and any(m in " ".join(p.info["cmdline"]) for m in models)
     ]
     assert leftovers == []
-    return lines[-1]
+    return results
 
 
 def _one_sentence(line: str) -> str:
@@ -58,43 +71,70 @@ def _one_sentence(line: str) -> str:
     return sentence
 
 
-@pytest.mark.parametrize(
-    ("env", "args", "expected"),
-    [
-        (
-            {"VLLM_BR_WEIGHT_TYPE": "bogus"},
-            (),
-            r"VLLM_BR_WEIGHT_TYPE='bogus'.*NUMA \| UMA",
-        ),
-        ({"VLLM_BR_DEVICE": "gpu"}, (), r"VLLM_BR_DEVICE='gpu'.*auto \| supa \| cpu"),
-        (
-            {"VLLM_BR_STATIC_MOE_DECODER_MAX_LEN": "-3"},
-            (),
-            r"VLLM_BR_STATIC_MOE_DECODER_MAX_LEN",
-        ),
-        (
-            {},
-            ("--block-size", "16"),
-            r"--block-size 16 is not supported.*--block-size 128",
-        ),
-        ({}, ("--dtype", "float16"), r"--dtype float16 is not supported.*bfloat16"),
-        ({"VLLM_USE_V1": "0"}, (), r"VLLM_USE_V1=0.*V0 engine"),
-    ],
-    ids=["weight-type", "device", "moe-len", "block-size", "dtype", "v0"],
-)
-def test_bad_setting_one_sentence(tiny_llama_dir, env, args, expected):
-    sentence = _one_sentence(_serve_error(tiny_llama_dir, *args, env=env))
-    assert re.search(expected, sentence), sentence
+# id -> (environment, `vllm serve` arguments, what the sentence must say)
+BAD_SETTINGS = {
+    "weight-type": (
+        {"VLLM_BR_WEIGHT_TYPE": "bogus"},
+        (),
+        r"VLLM_BR_WEIGHT_TYPE='bogus'.*NUMA \| UMA",
+    ),
+    "device": (
+        {"VLLM_BR_DEVICE": "gpu"},
+        (),
+        r"VLLM_BR_DEVICE='gpu'.*auto \| supa \| cpu",
+    ),
+    "moe-len": (
+        {"VLLM_BR_STATIC_MOE_DECODER_MAX_LEN": "-3"},
+        (),
+        r"VLLM_BR_STATIC_MOE_DECODER_MAX_LEN",
+    ),
+    "block-size": (
+        {},
+        ("--block-size", "16"),
+        r"--block-size 16 is not supported.*--block-size 128",
+    ),
+    "dtype": (
+        {},
+        ("--dtype", "float16"),
+        r"--dtype float16 is not supported.*bfloat16",
+    ),
+    "v0": ({"VLLM_USE_V1": "0"}, (), r"VLLM_USE_V1=0.*V0 engine"),
+}
 
 
-def test_unknown_architecture_one_sentence(tiny_llama_dir, tmp_path):
-    model = tmp_path / "unknown-arch"
-    shutil.copytree(tiny_llama_dir, model)
-    config = json.loads((model / "config.json").read_text())
+@pytest.fixture(scope="module")
+def refused(tiny_llama_dir, tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """Every refused `vllm serve` of this module, run at once: each bad
+    setting on the tiny Llama, and ``unknown-arch``, a copy of it whose
+    architecture no one serves."""
+    unknown = tmp_path_factory.mktemp("refused") / "unknown-arch"
+    shutil.copytree(tiny_llama_dir, unknown)
+    config = json.loads((unknown / "config.json").read_text())
     config["architectures"] = ["FooBarForCausalLM"]
-    (model / "config.json").write_text(json.dumps(config))
-    sentence = _one_sentence(_serve_error(model))
-    assert "FooBarForCausalLM" in sentence
+    (unknown / "config.json").write_text(json.dumps(config))
+    runs = {
+        name: (tiny_llama_dir, args, env)
+        for name, (env, args, _) in BAD_SETTINGS.items()
+    }
+    runs["unknown-arch"] = (unknown, (), {})
+    return _serve_errors(runs)
+
+
+def _refusal(refused: dict[str, tuple[int, str, str]], name: str) -> str:
+    """The one sentence `vllm serve` stopped with (exit status 1)."""
+    status, line, stderr = refused[name]
+    assert status == 1, stderr
+    return _one_sentence(line)
+
+
+@pytest.mark.parametrize("name", list(BAD_SETTINGS))
+def test_bad_setting_one_sentence(refused, name):
+    sentence = _refusal(refused, name)
+    assert re.search(BAD_SETTINGS[name][2], sentence), sentence
+
+
+def test_unknown_architecture_one_sentence(refused):
+    assert "FooBarForCausalLM" in _refusal(refused, "unknown-arch")
 
 
 def test_float16_checkpoint_auto_serves_bfloat16(tiny_llama_dir, tmp_path):
