@@ -43,3 +43,48 @@ def smollm2_dir() -> Path:
         return prepare_default_model()
     except ModelDownloadError as e:
         pytest.fail(str(e))
+
+
+# ---- the test-time budget (tests/fixtures/time_budget.py) ------------------
+
+_TIMER = None  # this run's Timer
+_REPORT: tuple[list[str], bool] = ([], False)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write this whole tier's test durations into tests/durations.json",
+    )
+
+
+def pytest_configure(config):
+    global _TIMER
+    from tests.fixtures.time_budget import Timer
+
+    _TIMER = Timer()
+
+
+def pytest_runtest_logreport(report):
+    _TIMER.add(report.nodeid, report.duration)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Check the budget once the tests are done; a whole tier over its budget
+    fails the run (the report says which tests grew)."""
+    global _REPORT
+    from tests.fixtures.time_budget import tier_of
+
+    tier, whole = tier_of(session.config, Path(__file__).resolve().parent)
+    _REPORT = _TIMER.report(tier, whole)
+    if _REPORT[1] and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if session.config.option.record_durations and tier and whole and exitstatus == 0:
+        _TIMER.record(tier)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.section("test time budget")
+    for line in _REPORT[0]:
+        terminalreporter.write_line(line)
