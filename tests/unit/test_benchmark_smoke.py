@@ -224,15 +224,37 @@ def test_decode_gemm_stream_tiny(tmp_path):
 
 def test_engine_startup_tiny(tiny_llama_dir, tmp_path):
     """engine_startup.py starts, uses and stops an engine in a fresh process
-    and reports it (one build, one round: each run is ~20 s of start-up)."""
-    out = tmp_path / "startup.json"
-    subprocess.run(
-        [sys.executable, str(BENCH / "engine_startup.py"),
-         "--model", str(tiny_llama_dir), "--dtype", "float32",
-         "--builds", f"a={ROOT}", "--repeats", "1",
-         "--json-out", str(out)],
-        cwd=ROOT, env=_env(), check=True, timeout=300,
-    )  # fmt: skip
+    and reports it (one build, one round), and its --phases mode splits a
+    start-up into phases that add up. The two runs go side by side: each is
+    mostly ~10 s of imports."""
+    out, phases_out = tmp_path / "startup.json", tmp_path / "phases.json"
+    common = [sys.executable, str(BENCH / "engine_startup.py"),
+              "--model", str(tiny_llama_dir), "--dtype", "float32",
+              "--repeats", "1"]  # fmt: skip
+    runs = [
+        subprocess.Popen(
+            common + ["--builds", f"a={ROOT}", "--json-out", str(out)],
+            cwd=ROOT, env=_env(),
+        ),
+        subprocess.Popen(
+            common + ["--phases", "--mode", "eager", "--json-out", str(phases_out)],
+            cwd=ROOT, env=_env(),
+        ),
+    ]  # fmt: skip
+    assert [p.wait(timeout=300) for p in runs] == [0, 0]
+    phases = json.loads(phases_out.read_text())
+    (split,) = phases["runs"]
+    assert set(split) == {
+        "imports", "load", "profile", "compile", "kv_cache", "warmup",
+        "capture", "other", "first", "stop",
+    }  # fmt: skip
+    # eager: nothing compiled or captured; everything else took time, and
+    # "other" (the rest of LLM()) stays positive only if no phase is counted
+    # twice.
+    assert split["compile"] == 0 and split["capture"] == 0
+    _positive(split, ["imports", "load", "profile", "kv_cache", "warmup",
+                      "other", "first", "stop"])  # fmt: skip
+    assert phases["median"] == split
     data = json.loads(out.read_text())
     (run,) = data["runs"]["a"]
     _positive(run, ["start_s", "first_s", "stop_s"])
