@@ -375,7 +375,7 @@ def _apply_compilation_policy(vllm_config: VllmConfig) -> None:
 
 
 def _apply_scheduler_policy(vllm_config: VllmConfig) -> None:
-    if SUPAPlatform.backend_name == "cpu":
-        # Host emulation runs every step synchronously: async scheduling has
-        # nothing to overlap and only adds a thread hop per step.
+    if device.get_backend().synchronous_execution:
+        # A backend that runs every step synchronously (host emulation) gives
+        # async scheduling nothing to overlap; it only adds a thread hop.
         vllm_config.scheduler_config.async_scheduling = False

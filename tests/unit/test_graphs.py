@@ -26,10 +26,10 @@ from vllm.platforms import current_platform  # noqa: E402
 from vllm.utils.import_utils import resolve_obj_by_qualname  # noqa: E402
 
 from vllm_br.compilation import defaults  # noqa: E402
-from vllm_br.compilation.compiler import CPU_INDUCTOR_CONFIG, SUPACompiler  # noqa: E402
+from vllm_br.compilation.compiler import SUPACompiler  # noqa: E402
 from vllm_br.compilation.graph_wrapper import SUPAGraphWrapper  # noqa: E402
 from vllm_br.compilation.passes import SUPAPassManager  # noqa: E402
-from vllm_br.device.cpu import EmulatedGraphPool  # noqa: E402
+from vllm_br.device.cpu import CPU_INDUCTOR_CONFIG, EmulatedGraphPool  # noqa: E402
 from vllm_br.errors import SUPAConfigError  # noqa: E402
 from vllm_br.ops.paged_attention import (  # noqa: E402
     make_paged_attention_plan,

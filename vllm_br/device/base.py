@@ -56,6 +56,36 @@ class DeviceBackend(ABC):
     #: PyTorch dispatch key of the device
     dispatch_key: str
 
+    # ---- capabilities: what the layers above ask instead of the name ------
+    #: device tensors are host tensors (the runner's device buffers can alias
+    #: its host buffers)
+    host_memory_is_device_memory: bool = False
+    #: every op finishes before it returns (nothing for async scheduling to
+    #: overlap)
+    synchronous_execution: bool = False
+    #: weights can be laid out per die (VLLM_BR_WEIGHT_TYPE=NUMA)
+    numa_weight_layout: bool = True
+    #: collectives go through SCCL (else torch.distributed's dist_backend)
+    uses_sccl: bool = False
+    #: the setting that sizes the device's memory, where the user sets it
+    memory_setting: str | None = None
+
+    def worker_threads(self, workers_on_host: int) -> int | None:
+        """Intra-op threads a worker should run with, or None for vLLM's
+        choice (one: on a card host threads only schedule work)."""
+        return None
+
+    def install_torch_accelerator(self) -> None:
+        """Make ``torch.accelerator`` answer for this device in this process,
+        where torch does not already (vLLM code asks it). torch_br does it
+        on a card."""
+        return None
+
+    def inductor_config(self) -> dict[str, Any]:
+        """Inductor options this device's compiled code needs (defaults: the
+        user's compile config wins)."""
+        return {}
+
     # ---- devices ---------------------------------------------------------
     @abstractmethod
     def device_count(self) -> int: ...

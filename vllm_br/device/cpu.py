@@ -168,11 +168,30 @@ def keep_freed_host_memory() -> bool:
     return ok
 
 
+# vLLM's CPU platform settings for inductor's C++ code generation
+# (vllm/platforms/cpu.py): no runtime shape/NaN asserts in the generated code,
+# and an OpenMP thread count read at run time (the worker sets it after load).
+CPU_INDUCTOR_CONFIG: dict[str, Any] = {
+    "dce": True,
+    "size_asserts": False,
+    "nan_asserts": False,
+    "epilogue_fusion": True,
+    "cpp.dynamic_threads": True,
+}
+
+
 class CpuBackend(DeviceBackend):
     name = "cpu"
     torch_device_type = "cpu"
     dist_backend = "gloo"
     dispatch_key = "CPU"
+
+    # The host is the device: tensors, memory and execution are the host's.
+    host_memory_is_device_memory = True
+    synchronous_execution = True
+    # One memory domain: the per-die weight layout has nothing to split.
+    numa_weight_layout = False
+    memory_setting = "VLLM_BR_CPU_MEMORY_GIB"
 
     def __init__(self) -> None:
         self._current = 0
@@ -207,6 +226,18 @@ class CpuBackend(DeviceBackend):
         """Intra-op threads for one emulated device: the cores this process
         may run on, shared by the workers on this host."""
         return max(1, len(os.sched_getaffinity(0)) // max(1, workers_on_host))
+
+    def worker_threads(self, workers_on_host: int) -> int:
+        # The host *is* the device: each worker gets its share of the cores.
+        return self.host_threads(workers_on_host)
+
+    def install_torch_accelerator(self) -> None:
+        from vllm_br.device import cpu_accelerator
+
+        cpu_accelerator.install(self)
+
+    def inductor_config(self) -> dict[str, Any]:
+        return dict(CPU_INDUCTOR_CONFIG)
 
     def get_device_properties(self, index: int = 0) -> DeviceProperties:
         spc = envs.VLLM_BR_DEVICE_SPC_NUM or _EMULATED_SPC_COUNT

@@ -71,6 +71,7 @@ class SupaBackend(DeviceBackend):
     name = "supa"
     torch_device_type = "supa"
     dist_backend = "sccl"
+    uses_sccl = True
     dispatch_key = "PrivateUse1"
 
     def __init__(self) -> None:

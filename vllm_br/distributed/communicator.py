@@ -53,7 +53,7 @@ class SUPACommunicator(DeviceCommunicatorBase):
             # vLLM names the device "cpu:<local rank>"; on the host it is the CPU.
             self.device = torch.device("cpu")
         self.strategy: AllReduceDecision = startup_decision()
-        self.sccl = self._init_sccl() if backend.name == "supa" else None
+        self.sccl = self._init_sccl() if backend.uses_sccl else None
         if self.use_all2all:
             self.all2all_manager = _all2all_manager(
                 self.cpu_group, self.all2all_backend

@@ -150,7 +150,7 @@ def current_layout() -> tuple[str, int]:
     from vllm_br.device import get_backend
 
     backend = get_backend()
-    if backend.name == "cpu":
+    if not backend.numa_weight_layout:
         return UMA, 1
     dies = backend.topology().dies_per_device
     return envs.VLLM_BR_WEIGHT_TYPE, (dies[0] if dies else 1)

@@ -127,11 +127,7 @@ LEDGER: list[Patch] = [
 def _cpu_torch_accelerator() -> None:
     from vllm_br.device import get_backend
 
-    backend = get_backend()
-    if backend.name == "cpu":
-        from vllm_br.device import cpu_accelerator
-
-        cpu_accelerator.install(backend)
+    get_backend().install_torch_accelerator()
 
 
 def _causes(exc: BaseException | None):

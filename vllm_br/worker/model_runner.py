@@ -52,7 +52,7 @@ class SUPAModelRunner(GPUModelRunner):
         self.backend = get_backend()
         install_stream_aliases(self.backend)
         super().__init__(vllm_config, device)
-        if self.backend.name == "cpu":
+        if self.backend.host_memory_is_device_memory:
             self._share_host_and_device_buffers()
         # The greedy step through the op registry (an instance attribute
         # shadows Sampler's staticmethod; the sampler object, also held by

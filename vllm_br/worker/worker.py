@@ -56,10 +56,7 @@ class SUPAWorker(Worker):
         gc.freeze()
         backend = get_backend()
         install_stream_aliases(backend)
-        if backend.name == "cpu":
-            from vllm_br.device import cpu_accelerator
-
-            cpu_accelerator.install(backend)
+        backend.install_torch_accelerator()
         index = _device_index(
             self.parallel_config.assigned_physical_gpu_ids, self.local_rank
         )
@@ -109,16 +106,16 @@ class SUPAWorker(Worker):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights=load_dummy_weights)
         # vLLM drops torch to one intra-op thread for serving, since on a card
-        # host ops only schedule work. In emulation the host *is* the device:
-        # give each worker its share of the cores, unless the user set OMP_NUM_THREADS.
-        backend = get_backend()
+        # host ops only schedule work. A backend may want more (in emulation
+        # the host *is* the device), unless the user set OMP_NUM_THREADS.
+        threads = get_backend().worker_threads(self.parallel_config.world_size)
         # vLLM itself exports OMP_NUM_THREADS to spawned workers (and marks it
         # with VLLM_OMP_NUM_THREADS_SET_BY_VLLM=1); only a user's value counts.
         user_set = "OMP_NUM_THREADS" in os.environ and (
             os.environ.get("VLLM_OMP_NUM_THREADS_SET_BY_VLLM") != "1"
         )
-        if backend.name == "cpu" and not user_set:
-            torch.set_num_threads(backend.host_threads(self.parallel_config.world_size))
+        if threads is not None and not user_set:
+            torch.set_num_threads(threads)
 
     def _make_model_runner(self) -> SUPAModelRunner:
         return SUPAModelRunner(self.vllm_config, self.device)
@@ -165,8 +162,8 @@ class SUPAWorker(Worker):
                 f"use {format_gib(in_use)} GiB of the device's {format_gib(total)} "
                 "GiB; raise --gpu-memory-utilization, use a smaller model"
                 + (
-                    ", or raise VLLM_BR_CPU_MEMORY_GIB."
-                    if backend.name == "cpu"
+                    f", or raise {backend.memory_setting}."
+                    if backend.memory_setting
                     else "."
                 )
             )
