@@ -624,3 +624,20 @@ def test_cpu_kernel_amx_path_takes_bf16_prefills_only(d, monkeypatch):
     amx, plain = outs[True][: case.num_tokens], outs[False][: case.num_tokens]
     assert torch.equal(amx[rows], plain[rows])
     assert torch.equal(amx[~rows], plain[~rows]) is not has_amx
+
+
+@KERNEL_ONLY
+def test_ctypes_args_match_the_cpp_struct(impl):
+    """AttentionArgs and the C++ Args agree in size and in every field's
+    offset, in declaration order (a field added on one side only, or moved,
+    fails here rather than corrupting a call)."""
+    import ctypes
+
+    fields = cpu_pa.AttentionArgs._fields_
+    out = (ctypes.c_int64 * (len(fields) + 8))()
+    lib = cpu_kernels.load_library()
+    count = lib.vllm_br_attention_args_layout(out, len(out))
+    assert count == len(fields), "the C++ Args has a different number of fields"
+    assert out[0] == ctypes.sizeof(cpu_pa.AttentionArgs)
+    for i, (name, _) in enumerate(fields):
+        assert out[1 + i] == getattr(cpu_pa.AttentionArgs, name).offset, name

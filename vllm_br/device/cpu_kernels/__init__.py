@@ -118,11 +118,13 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
     fn = lib.vllm_br_paged_attention
-    fn.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i32, i32]
-    fn.argtypes += [ptr, ptr] + [i32] * 7 + [f32, f32, i32, ptr, i64, i64, i32, i32]
+    fn.argtypes = [ptr]  # const Args* (paged_attention.AttentionArgs)
     fn.restype = ctypes.c_int
+    fn = lib.vllm_br_attention_args_layout
+    fn.argtypes = [ptr, i32]
+    fn.restype = i32
     lib.vllm_br_attention_has_amx.argtypes = []
     lib.vllm_br_attention_has_amx.restype = ctypes.c_int
     fn = lib.vllm_br_reshape_and_cache

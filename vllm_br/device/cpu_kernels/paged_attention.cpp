@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -243,6 +244,9 @@ enum { TILE_REQ, TILE_TOKEN, TILE_QUERY_LEN, TILE_FIRST, TILE_TOKENS, TILE_FIELD
 constexpr int MAX_TILE_TOKENS = 16;
 constexpr int MAX_ROWS = 64 * MAX_TILE_TOKENS;
 
+// The attention kernel's arguments, passed by pointer. Python mirrors this
+// struct with ctypes (AttentionArgs in paged_attention.py); a unit test
+// checks both layouts agree through vllm_br_attention_args_layout.
 struct Args {
   const void* q;
   int64_t q_st, q_sh;
@@ -260,7 +264,16 @@ struct Args {
   int64_t o_st, o_sh;
   int32_t num_threads;
   int32_t use_amx;  // the AMX path where it applies (bf16, head 64/128/256)
+  int32_t dtype_is_bf16;  // else float32
+  int32_t head_size_v, max_tile_tokens;
 };
+
+// Args' fields in declaration order (for the layout check).
+#define VLLM_BR_ATTENTION_ARGS(X)                                                  \
+  X(q) X(q_st) X(q_sh) X(cache) X(c_sb) X(c_sh) X(c_sn) X(bt) X(bt_st) X(bt_width) \
+  X(num_blocks) X(seq_lens) X(tiles) X(num_tiles) X(num_heads) X(num_kv_heads)      \
+  X(head_size) X(block_size) X(scale) X(soft_cap) X(window) X(out) X(o_st) X(o_sh)  \
+  X(num_threads) X(use_amx) X(dtype_is_bf16) X(head_size_v) X(max_tile_tokens)
 
 // Key k's row in `base` (one head's K or V in the cache) through a request's
 // block-table row btr; shifts, not divisions, where the block size is a power
@@ -946,26 +959,27 @@ int vllm_br_attention_has_amx() {
 // With use_amx, bf16 heads of 64, 128 or 256 take the AMX path where the CPU
 // has it: measured faster for prefill tiles, slower for decodes (see
 // benchmarks/ANALYSIS.md), so the caller asks for it per tile set.
-int vllm_br_paged_attention(
-    int32_t dtype_is_bf16, const void* q, int64_t q_st, int64_t q_sh,
-    const void* cache, int64_t c_sb, int64_t c_sh, int64_t c_sn,
-    const int32_t* bt, int64_t bt_st, int32_t bt_width, int32_t num_blocks,
-    const int32_t* seq_lens, const int32_t* tiles, int32_t num_tiles,
-    int32_t max_tile_tokens, int32_t num_heads, int32_t num_kv_heads,
-    int32_t head_size, int32_t head_size_v, int32_t block_size, float scale,
-    float soft_cap, int32_t window, void* out, int64_t o_st, int64_t o_sh,
-    int32_t num_threads, int32_t use_amx) {
-  if (head_size_v != head_size || num_kv_heads <= 0 ||
-      num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 64 ||
-      max_tile_tokens > MAX_TILE_TOKENS)
+int vllm_br_paged_attention(const Args* args) {
+  const Args& a = *args;
+  if (a.head_size_v != a.head_size || a.num_kv_heads <= 0 ||
+      a.num_heads % a.num_kv_heads != 0 || a.num_heads / a.num_kv_heads > 64 ||
+      a.max_tile_tokens > MAX_TILE_TOKENS)
     return 0;
-  const Args a{q,          q_st,         q_sh,       cache,     c_sb,
-               c_sh,       c_sn,         bt,         bt_st,     bt_width,
-               num_blocks, seq_lens,     tiles,      num_tiles, num_heads,
-               num_kv_heads, head_size,  block_size, scale,     soft_cap,
-               window,     out,          o_st,       o_sh,      num_threads,
-               use_amx};
-  return dtype_is_bf16 ? dispatch<uint16_t>(a) : dispatch<float>(a);
+  return a.dtype_is_bf16 ? dispatch<uint16_t>(a) : dispatch<float>(a);
+}
+
+// Writes sizeof(Args) and then each field's offset, in declaration order,
+// into out (up to n values); returns the number of fields.
+int32_t vllm_br_attention_args_layout(int64_t* out, int32_t n) {
+  int32_t i = 0;
+  if (i < n) out[i] = int64_t(sizeof(Args));
+  ++i;
+#define VLLM_BR_OFFSET(field)                                       \
+  if (i < n) out[i] = int64_t(offsetof(Args, field));               \
+  ++i;
+  VLLM_BR_ATTENTION_ARGS(VLLM_BR_OFFSET)
+#undef VLLM_BR_OFFSET
+  return i - 1;
 }
 
 // K/V rows of n tokens into their flat slots; negative slots are padding.

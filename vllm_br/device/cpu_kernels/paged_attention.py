@@ -28,6 +28,45 @@ _DTYPES = (torch.bfloat16, torch.float32)
 #: Query tokens per prefill tile: their rows share each K row the kernel reads.
 TILE_TOKENS = 16
 
+_i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class AttentionArgs(ctypes.Structure):
+    """The C++ kernel's ``Args`` (paged_attention.cpp), field for field; a
+    unit test checks the two layouts agree."""
+
+    _fields_ = [
+        ("q", _ptr),
+        ("q_st", _i64),
+        ("q_sh", _i64),
+        ("cache", _ptr),
+        ("c_sb", _i64),
+        ("c_sh", _i64),
+        ("c_sn", _i64),
+        ("bt", _ptr),
+        ("bt_st", _i64),
+        ("bt_width", _i32),
+        ("num_blocks", _i32),
+        ("seq_lens", _ptr),
+        ("tiles", _ptr),
+        ("num_tiles", _i32),
+        ("num_heads", _i32),
+        ("num_kv_heads", _i32),
+        ("head_size", _i32),
+        ("block_size", _i32),
+        ("scale", _f32),
+        ("soft_cap", _f32),
+        ("window", _i32),
+        ("out", _ptr),
+        ("o_st", _i64),
+        ("o_sh", _i64),
+        ("num_threads", _i32),
+        ("use_amx", _i32),
+        ("dtype_is_bf16", _i32),
+        ("head_size_v", _i32),
+        ("max_tile_tokens", _i32),
+    ]
+
 
 def _tiles(plan: PagedAttentionPlan, prefills: bool) -> torch.Tensor:
     """int32 ``[num_tiles, 5]``: (request, first token row, query length,
@@ -117,38 +156,42 @@ def attention(
         bt = bt.contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
 
+    args = AttentionArgs(
+        q=query.data_ptr(),
+        q_st=query.stride(0),
+        q_sh=query.stride(1),
+        cache=kv_cache.data_ptr(),
+        c_sb=kv_cache.stride(0),
+        c_sh=kv_cache.stride(1),
+        c_sn=kv_cache.stride(2),
+        bt=bt.data_ptr(),
+        bt_st=bt.stride(0),
+        bt_width=bt.shape[1],
+        num_blocks=num_blocks,
+        seq_lens=sl.data_ptr(),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        scale=scale,
+        soft_cap=logits_soft_cap or 0.0,
+        window=window or 0,
+        out=out.data_ptr(),
+        o_st=out.stride(0),
+        o_sh=out.stride(1),
+        num_threads=torch.get_num_threads(),
+        dtype_is_bf16=dtype == torch.bfloat16,
+        head_size_v=content - head_size,
+        max_tile_tokens=TILE_TOKENS,
+    )
+
     def run(part: torch.Tensor, use_amx: int) -> bool:
-        return lib.vllm_br_paged_attention(
-            dtype == torch.bfloat16,
-            query.data_ptr(),
-            query.stride(0),
-            query.stride(1),
-            kv_cache.data_ptr(),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            kv_cache.stride(2),
-            bt.data_ptr(),
-            bt.stride(0),
-            bt.shape[1],
-            num_blocks,
-            sl.data_ptr(),
+        args.tiles, args.num_tiles, args.use_amx = (
             part.data_ptr(),
             part.shape[0],
-            TILE_TOKENS,
-            num_heads,
-            num_kv_heads,
-            head_size,
-            content - head_size,
-            block_size,
-            ctypes.c_float(scale),
-            ctypes.c_float(logits_soft_cap or 0.0),
-            window or 0,
-            out.data_ptr(),
-            out.stride(0),
-            out.stride(1),
-            torch.get_num_threads(),
             use_amx,
         )
+        return bool(lib.vllm_br_paged_attention(ctypes.byref(args)))
 
     # Decode tiles come first in the table. Prefill tiles take the AMX path
     # where it exists; decodes, with few query rows per KV head, measured
