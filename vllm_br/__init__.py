@@ -10,7 +10,7 @@ __all__ = ["SUPPORTED_VLLM_VERSION", "__version__", "register", "register_plugin
 
 def register() -> str | None:
     """``vllm.platform_plugins`` entry point: the SUPAPlatform class path, or None."""
-    from vllm_br.activation import platform_class_path
+    from vllm_br.entry_points import platform_class_path
 
     return platform_class_path()
 
@@ -18,6 +18,6 @@ def register() -> str | None:
 def register_plugin() -> None:
     """``vllm.general_plugins`` entry point: register ops, models and patches
     in every vLLM process (API server, engine core, each worker)."""
-    from vllm_br.activation import register_everything
+    from vllm_br.entry_points import register_everything
 
     register_everything()

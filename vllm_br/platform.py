@@ -74,7 +74,7 @@ class SUPAPlatform(Platform):
     @classmethod
     def log_warnings(cls) -> None:
         # Called by vLLM once logging is configured in a process.
-        from vllm_br.activation import activation_reason
+        from vllm_br.entry_points import activation_reason
 
         reason = activation_reason()
         if reason:

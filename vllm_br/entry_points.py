@@ -1,4 +1,6 @@
-"""When the SUPA platform activates, and what the general plugin registers.
+"""vLLM's entry points into the plugin: when the SUPA platform activates
+(``vllm.platform_plugins``), and what the general plugin registers
+(``vllm.general_plugins``).
 
 ``platform_class_path()`` backs the ``vllm.platform_plugins`` entry point.
 vLLM calls it (at least twice) in every process and treats an exception as

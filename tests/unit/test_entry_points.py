@@ -1,4 +1,4 @@
-"""vllm_br.activation.platform_class_path: when the SUPA platform activates.
+"""vllm_br.entry_points.platform_class_path: when the SUPA platform activates.
 
 vLLM calls it at least twice per process and treats an exception as "plugin
 inactive": it must be cached, idempotent and never raise."""
@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from vllm_br import activation
 from vllm_br import device as device_layer
+from vllm_br import entry_points
 
 PATH = "vllm_br.platform.SUPAPlatform"
 
@@ -27,15 +27,15 @@ class _ListHandler(logging.Handler):
 @pytest.fixture(autouse=True)
 def _fresh_decision(monkeypatch):
     monkeypatch.delenv("VLLM_BR_DEVICE", raising=False)
-    activation.reset_for_tests()
+    entry_points.reset_for_tests()
     yield
     # Leave the decision to be made again under the session's environment.
-    activation.reset_for_tests()
+    entry_points.reset_for_tests()
 
 
 @pytest.fixture
 def log():
-    logger = logging.getLogger("vllm.vllm_br.activation")
+    logger = logging.getLogger("vllm.vllm_br.entry_points")
     handler = _ListHandler()
     old_level = logger.level
     logger.addHandler(handler)
@@ -54,7 +54,7 @@ def _lines(records: list[logging.LogRecord]) -> list[str]:
 
 
 def _reason() -> str | None:
-    fn = getattr(activation, "activation_reason", None)
+    fn = getattr(entry_points, "activation_reason", None)
     return fn() if fn is not None else None
 
 
@@ -66,33 +66,33 @@ def _no_supa_device(monkeypatch):
 def test_explicit_device_activates(monkeypatch, choice):
     monkeypatch.setenv("VLLM_BR_DEVICE", choice)
     # An explicit choice wins over whatever else is installed here.
-    monkeypatch.setattr(activation, "_other_vllm_platform", lambda: "cuda")
-    assert activation.platform_class_path() == PATH
+    monkeypatch.setattr(entry_points, "_other_vllm_platform", lambda: "cuda")
+    assert entry_points.platform_class_path() == PATH
 
 
 def test_decision_is_cached_and_idempotent(monkeypatch):
     monkeypatch.setenv("VLLM_BR_DEVICE", "cpu")
     calls = []
-    real = activation._decide
+    real = entry_points._decide
 
     def counting():
         calls.append(1)
         return real()
 
-    monkeypatch.setattr(activation, "_decide", counting)
-    first = activation.platform_class_path()
-    second = activation.platform_class_path()
+    monkeypatch.setattr(entry_points, "_decide", counting)
+    first = entry_points.platform_class_path()
+    second = entry_points.platform_class_path()
     assert first == second == PATH
     assert len(calls) == 1
     # Cached: a later environment change does not flip the decision ...
     monkeypatch.setenv("VLLM_BR_DEVICE", "auto")
-    monkeypatch.setattr(activation, "_other_vllm_platform", lambda: "cuda")
+    monkeypatch.setattr(entry_points, "_other_vllm_platform", lambda: "cuda")
     _no_supa_device(monkeypatch)
-    assert activation.platform_class_path() == PATH
+    assert entry_points.platform_class_path() == PATH
     assert len(calls) == 1
     # ... until reset.
-    activation.reset_for_tests()
-    assert activation.platform_class_path() is None
+    entry_points.reset_for_tests()
+    assert entry_points.platform_class_path() is None
     assert len(calls) == 2
 
 
@@ -100,16 +100,16 @@ def test_never_raises(monkeypatch):
     def boom():
         raise RuntimeError("detection exploded")
 
-    monkeypatch.setattr(activation, "_decide", boom)
-    assert activation.platform_class_path() is None
-    assert activation.platform_class_path() is None
+    monkeypatch.setattr(entry_points, "_decide", boom)
+    assert entry_points.platform_class_path() is None
+    assert entry_points.platform_class_path() is None
 
 
 def test_auto_no_device_no_other_platform_activates(monkeypatch, log):
     monkeypatch.setenv("VLLM_BR_DEVICE", "auto")
     _no_supa_device(monkeypatch)
-    monkeypatch.setattr(activation, "_other_vllm_platform", lambda: None)
-    assert activation.platform_class_path() == PATH
+    monkeypatch.setattr(entry_points, "_other_vllm_platform", lambda: None)
+    assert entry_points.platform_class_path() == PATH
     infos = _lines(log)
     assert len(infos) == 1, infos
     assert "active" in infos[0] and "cpu" in infos[0]
@@ -118,15 +118,15 @@ def test_auto_no_device_no_other_platform_activates(monkeypatch, log):
 
 def test_unset_device_is_auto(monkeypatch):
     _no_supa_device(monkeypatch)
-    monkeypatch.setattr(activation, "_other_vllm_platform", lambda: None)
-    assert activation.platform_class_path() == PATH
+    monkeypatch.setattr(entry_points, "_other_vllm_platform", lambda: None)
+    assert entry_points.platform_class_path() == PATH
 
 
 def test_auto_no_device_other_platform_inactive(monkeypatch, log):
     monkeypatch.setenv("VLLM_BR_DEVICE", "auto")
     _no_supa_device(monkeypatch)
-    monkeypatch.setattr(activation, "_other_vllm_platform", lambda: "cuda")
-    assert activation.platform_class_path() is None
+    monkeypatch.setattr(entry_points, "_other_vllm_platform", lambda: "cuda")
+    assert entry_points.platform_class_path() is None
     infos = _lines(log)
     assert len(infos) == 1, infos
     assert "inactive" in infos[0] and "cuda" in infos[0]
@@ -137,8 +137,8 @@ def test_auto_supa_present_activates(monkeypatch, log):
     monkeypatch.setenv("VLLM_BR_DEVICE", "auto")
     monkeypatch.setattr(device_layer, "supa_present", lambda: True)
     # A SUPA card wins even where another vLLM platform would also serve.
-    monkeypatch.setattr(activation, "_other_vllm_platform", lambda: "cuda")
-    assert activation.platform_class_path() == PATH
+    monkeypatch.setattr(entry_points, "_other_vllm_platform", lambda: "cuda")
+    assert entry_points.platform_class_path() == PATH
     infos = _lines(log)
     assert len(infos) == 1, infos
     assert "SUPA device" in infos[0]
@@ -149,8 +149,8 @@ def test_invalid_device_still_activates(monkeypatch, log):
     # Active anyway, so the platform stops start-up with the one sentence
     # instead of vLLM silently using another platform.
     monkeypatch.setenv("VLLM_BR_DEVICE", "gpu")
-    monkeypatch.setattr(activation, "_other_vllm_platform", lambda: "cuda")
-    assert activation.platform_class_path() == PATH
+    monkeypatch.setattr(entry_points, "_other_vllm_platform", lambda: "cuda")
+    assert entry_points.platform_class_path() == PATH
     errors = [r.getMessage() for r in log if r.levelno == logging.ERROR]
     assert errors and "VLLM_BR_DEVICE" in errors[0]
 
@@ -158,4 +158,4 @@ def test_invalid_device_still_activates(monkeypatch, log):
 def test_entry_point_returns_the_same():
     import vllm_br
 
-    assert vllm_br.register() == activation.platform_class_path()
+    assert vllm_br.register() == entry_points.platform_class_path()
