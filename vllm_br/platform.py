@@ -14,6 +14,7 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_br import device, envs
+from vllm_br.attention import SUPA_BLOCK_SIZE, SUPA_FLASH_ATTN_PATH, SUPA_FLASH_MLA_PATH
 from vllm_br.errors import SUPAConfigError
 from vllm_br.logger import init_logger
 
@@ -28,12 +29,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-#: The paged-attention kernel's fixed KV-cache block size on SUPA.
-SUPA_BLOCK_SIZE = 128
 SUPA_DTYPES = (torch.bfloat16, torch.float32)
 WORKER_CLS = "vllm_br.worker.worker.SUPAWorker"
-ATTN_BACKEND_CLS = "vllm_br.attention.backend.SUPAFlashAttentionBackend"
-MLA_BACKEND_CLS = "vllm_br.attention.mla.SupaFlashMLABackend"
 
 
 def _backend_for_class_attributes() -> device.DeviceBackend:
@@ -172,11 +169,11 @@ class SUPAPlatform(Platform):
                     "model (DeepSeek V2/V3) or one with standard attention."
                 )
             _warn_unavailable(selected_backend, "SUPA_FLASH_MLA", "SupaFlashMLABackend")
-            return MLA_BACKEND_CLS
+            return SUPA_FLASH_MLA_PATH
         _warn_unavailable(
             selected_backend, "SUPA_FLASH_ATTN", "SUPAFlashAttentionBackend"
         )
-        return ATTN_BACKEND_CLS
+        return SUPA_FLASH_ATTN_PATH
 
     @classmethod
     def get_mla_prefill_backend_cls(

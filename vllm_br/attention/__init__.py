@@ -10,6 +10,9 @@ code.
 
 from __future__ import annotations
 
+#: The KV-cache block size of SUPA's paged-attention kernels (paged and MLA).
+SUPA_BLOCK_SIZE = 128
+
 SUPA_FLASH_ATTN = "SUPA_FLASH_ATTN"
 SUPA_FLASH_ATTN_PATH = "vllm_br.attention.backend.SUPAFlashAttentionBackend"
 SUPA_FLASH_MLA = "SUPA_FLASH_MLA"
@@ -23,6 +26,7 @@ BACKENDS = {
 
 __all__ = [
     "BACKENDS",
+    "SUPA_BLOCK_SIZE",
     "SUPA_FLASH_ATTN",
     "SUPA_FLASH_ATTN_PATH",
     "SUPA_FLASH_MLA",

@@ -49,7 +49,11 @@ from vllm.v1.kv_cache_interface import (
     KVCacheLayout,
 )
 
-from vllm_br.attention import SUPA_FLASH_ATTN, register_attention_backends
+from vllm_br.attention import (
+    SUPA_BLOCK_SIZE,
+    SUPA_FLASH_ATTN,
+    register_attention_backends,
+)
 from vllm_br.logger import init_logger
 from vllm_br.ops.paged_attention import (
     PagedAttentionPlan,
@@ -63,9 +67,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheSpec
 
 logger = init_logger(__name__)
-
-#: The SUPA paged-attention kernel's fixed KV-cache block size.
-SUPA_KERNEL_BLOCK_SIZE = 128
 
 
 class SUPAFlashAttentionBackend(AttentionBackend):
@@ -94,7 +95,7 @@ class SUPAFlashAttentionBackend(AttentionBackend):
     def get_supported_kernel_block_sizes(
         kv_cache_spec: KVCacheSpec | None = None,
     ) -> list[int | MultipleOf]:
-        return [SUPA_KERNEL_BLOCK_SIZE]
+        return [SUPA_BLOCK_SIZE]
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

@@ -51,7 +51,11 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from vllm_br.attention import SUPA_FLASH_MLA, register_attention_backends
+from vllm_br.attention import (
+    SUPA_BLOCK_SIZE,
+    SUPA_FLASH_MLA,
+    register_attention_backends,
+)
 from vllm_br.ops.mla import RaggedAttentionPlan, make_ragged_attention_plan
 from vllm_br.ops.registry import get_op
 
@@ -59,9 +63,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.cache import CacheDType
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec
-
-#: The SUPA kernels' fixed KV-cache block size.
-SUPA_KERNEL_BLOCK_SIZE = 128
 
 
 class SupaFlashMLABackend(MLACommonBackend):
@@ -86,7 +87,7 @@ class SupaFlashMLABackend(MLACommonBackend):
     def get_supported_kernel_block_sizes(
         kv_cache_spec: KVCacheSpec | None = None,
     ) -> list[int | MultipleOf]:
-        return [SUPA_KERNEL_BLOCK_SIZE]
+        return [SUPA_BLOCK_SIZE]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
