@@ -21,9 +21,30 @@ def test_ledger_entries_are_documented():
     names = [p.name for p in patches.LEDGER]
     assert len(names) == len(set(names)), names
     for p in patches.LEDGER:
-        for field in ("name", "target", "why", "remove_when", "scope"):
+        for field in ("name", "target", "why", "remove_when", "scope", "upstream"):
             value = getattr(p, field)
             assert isinstance(value, str) and value.strip(), (p.name, field)
+
+
+def test_ledger_upstream_references_name_existing_vllm_lines():
+    """Each ``vllm/<file>:<line>`` an entry cites exists in the installed
+    vLLM: a reference that outlives its file or line is caught here."""
+    import re
+    from pathlib import Path
+
+    import vllm
+
+    root = Path(vllm.__file__).resolve().parents[1]
+    for p in patches.LEDGER:
+        cited = 0
+        for path, lines in re.findall(r"(vllm/[\w/]+\.py):([\d, ]+)", p.upstream):
+            source = root / path
+            assert source.is_file(), (p.name, path)
+            length = len(source.read_text().splitlines())
+            for line in re.findall(r"\d+", lines):
+                assert 1 <= int(line) <= length, (p.name, path, line)
+                cited += 1
+        assert cited, f"{p.name}: upstream cites no vllm/<file>:<line>"
 
 
 def test_every_applied_patch_is_in_the_ledger():

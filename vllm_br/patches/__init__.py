@@ -25,6 +25,9 @@ class Patch:
     why: str
     remove_when: str
     scope: str  # "every process" | "worker" | "cli"
+    # The upstream code the patch works around (vLLM 0.33 file:line, or the
+    # library it patches), to re-read when vLLM changes.
+    upstream: str
 
 
 LEDGER: list[Patch] = [
@@ -41,6 +44,7 @@ LEDGER: list[Patch] = [
             "registers a real PrivateUse1 accelerator."
         ),
         scope="every process (cpu backend only)",
+        upstream="vllm/v1/worker/gpu_worker.py:302 (torch.accelerator.synchronize and get_memory_info in the worker)",
     ),
     Patch(
         name="worker-cuda-stream-event-aliases",
@@ -53,6 +57,7 @@ LEDGER: list[Patch] = [
         ),
         remove_when="vLLM's runner uses torch.Stream/torch.Event or current_platform.",
         scope="worker",
+        upstream="vllm/v1/worker/gpu_model_runner.py:286, 428, 753 (torch.cuda.Event / torch.cuda.Stream)",
     ),
     Patch(
         name="supernode-tp-groups",
@@ -73,6 +78,7 @@ LEDGER: list[Patch] = [
             "or the executor assigns global ranks supernode by supernode."
         ),
         scope="worker",
+        upstream="vllm/distributed/parallel_state.py:2079 (initialize_model_parallel builds TP groups from consecutive ranks)",
     ),
     Patch(
         name="slot-mapping-kernel",
@@ -84,6 +90,7 @@ LEDGER: list[Patch] = [
         ),
         remove_when="never needed once vLLM ships a torch fallback for it.",
         scope="worker",
+        upstream="vllm/v1/worker/block_table.py:305 (ComputeSlotMappingKernel, a Triton kernel)",
     ),
     Patch(
         name="cli-config-error-hook",
@@ -96,6 +103,7 @@ LEDGER: list[Patch] = [
         ),
         remove_when="vLLM's CLI reports ValueError from platform checks without a traceback.",
         scope="every process",
+        upstream="vllm/entrypoints/cli/main.py:117 (args.dispatch_function(args), no handler)",
     ),
     Patch(
         name="ray-executor-supa-devices",
@@ -120,6 +128,7 @@ LEDGER: list[Patch] = [
             "unit-instance resources in get_accelerator_ids()."
         ),
         scope="engine core (every process that loaded vLLM's Ray executor)",
+        upstream="vllm/v1/executor/ray_executor_v2.py:79, 152 (RayWorkerProc, get_accelerator_ids()[device_key]); vllm/v1/executor/ray_utils.py:201",
     ),
 ]
 
