@@ -80,3 +80,101 @@ def known_vllm_user_error(err: BaseException) -> str | None:
             "names a supported architecture."
         )
     return None
+
+
+# ---- vLLM's private names ---------------------------------------------------
+# Every private vLLM name the plugin calls, overrides, reads or assigns outside
+# this module, as "module:Qualname.attr", with where and why.
+# tests/unit/test_vllm_surface.py checks that each still exists in the
+# installed vLLM, and that every private vLLM method a plugin class overrides
+# is listed here: a vLLM upgrade that renames one fails there, not at serving.
+VLLM_PRIVATE_NAMES: dict[str, str] = {
+    # worker/worker.py: SUPAWorker builds and warms up its runner
+    "vllm.v1.worker.gpu_worker:Worker._init_workspace_and_model_runner": (
+        "called by SUPAWorker.init_device"
+    ),
+    "vllm.v1.worker.gpu_worker:Worker._make_model_runner": (
+        "overridden: the runner is SUPAModelRunner"
+    ),
+    "vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context": (
+        "overridden: no sleep-mode allocator on SUPA"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._dummy_run": (
+        "compile warm-up and the sampler warm-up's hidden states"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._dummy_sampler_run": (
+        "sampler warm-up at its largest shape"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._dummy_pooler_run": (
+        "pooler warm-up for pooling models"
+    ),
+    # worker/model_runner.py: SUPAModelRunner
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sync_device": (
+        "overridden: the device layer's synchronize"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._to_list": (
+        "overridden: no pinned-memory event round trip"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_kv_zero_meta": (
+        "overridden: KV blocks zeroed without vLLM's Triton zeroer"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._zero_block_ids": (
+        "overridden: KV blocks zeroed without vLLM's Triton zeroer"
+    ),
+    # compilation/capture.py: SUPA graph capture on the runner's own loop
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._warmup_and_capture": (
+        "warm-up runs, then the capturing dummy run"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_minimal_kv_cache_for_profiling": (
+        "graph-memory estimate before the KV cache is sized"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._cleanup_profiling_kv_cache": (
+        "graph-memory estimate before the KV cache is sized"
+    ),
+    "vllm.compilation.cuda_graph:CUDAGraphWrapper._all_instances": (
+        "the wrappers whose graphs are dropped after the estimate"
+    ),
+    # attention/backend.py and attention/mla.py
+    "vllm.v1.attention.backend:AttentionMetadataBuilder._cudagraph_support": (
+        "overridden by both metadata builders"
+    ),
+    "vllm.v1.attention.backend:AttentionMetadataBuilder._init_reorder_batch_threshold": (
+        "decodes first in the batch"
+    ),
+    "vllm.model_executor.layers.attention.mla_attention:MLACommonMetadataBuilder._build_decode": (
+        "overridden: SUPA's decode metadata"
+    ),
+    "vllm.model_executor.layers.attention.mla_attention:MLACommonBaseImpl._compute_prefill_context": (
+        "overridden and called: prefill over cached context on SUPA"
+    ),
+    "vllm.model_executor.layers.attention.mla_attention:MLACommonBaseImpl._concat_k_nope_k_pe": (
+        "called when up-projecting the latent cache"
+    ),
+    "vllm.model_executor.layers.attention.mla_attention:MLACommonBaseImpl._use_flashinfer_concat_mla_k": (
+        "assigned False: no FlashInfer on SUPA"
+    ),
+    "vllm.v1.attention.backends.mla.prefill.base:MLAPrefillBackend._prefill_metadata": (
+        "read after prepare_metadata"
+    ),
+    # layers/
+    "vllm.model_executor.layers.logits_processor:LogitsProcessor._get_logits": (
+        "called by the plugin's logits processor"
+    ),
+    "vllm.model_executor.layers.logits_processor:LogitsProcessor._apply_head": (
+        "overridden: the compute_logits op"
+    ),
+    "vllm.model_executor.layers.rotary_embedding.base:RotaryEmbeddingBase._match_cos_sin_cache_dtype": (
+        "called before the rotary op"
+    ),
+    "vllm.model_executor.layers.attention.mla_attention:MLAAttention._cpu_skip_gemm_dispatch": (
+        "read by getattr on kv_b_proj, which vLLM marks for its CPU GEMMs"
+    ),
+    # platform.py, model_cache.py, executor/ray_worker.py
+    "vllm.platforms.interface:Platform._enum": "assigned PlatformEnum.OOT",
+    "vllm.logger:_configure_vllm_root_logger": (
+        "re-applied after the default model's conversion"
+    ),
+    "vllm.v1.executor.ray_utils:_wait_until_pg_ready": (
+        "patched (ledger: ray-executor-supa-devices)"
+    ),
+}

@@ -1,7 +1,8 @@
 """Capturing the SUPA graphs vLLM's dispatcher plans, and measuring their memory.
 
-The GPU model runner's ``capture_model`` / ``profile_cudagraph_memory`` wrap
-the same loop in CUDA-only contexts (``graph_capture`` asserts a CUDA or XPU
+The GPU model runner's ``capture_model`` / ``profile_cudagraph_memory``
+(vllm/v1/worker/gpu_model_runner.py:6417-6570 and 6268-6416 in vLLM 0.33,
+which these follow) wrap the same loop in CUDA-only contexts (``graph_capture`` asserts a CUDA or XPU
 communicator, streams come from ``torch.cuda``); these are that loop on the
 device layer. Both reuse the runner's own ``_warmup_and_capture`` (warm-up
 runs, then the capturing dummy run) so the captured batches are exactly the

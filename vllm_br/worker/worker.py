@@ -183,8 +183,10 @@ class SUPAWorker(Worker):
         """Compile (VLLM_COMPILE), capture the SUPA graphs, warm up the sampler
         at its largest shape, then reset the seed.
 
-        The GPU worker's version also runs Triton/CUDA kernel warm-ups, which
-        do not exist on SUPA, and captures inside CUDA-only contexts."""
+        Follows vLLM 0.33's Worker._compile_or_warm_up_model
+        (vllm/v1/worker/gpu_worker.py:940-1125) less its Triton/CUDA kernel
+        warm-ups, which do not exist on SUPA, and its CUDA-only capture
+        contexts."""
         for size in self._compile_warmup_sizes():
             logger.info("Compiling and warming up the model for %d tokens.", size)
             self.model_runner._dummy_run(size, skip_eplb=True, remove_lora=False)
@@ -229,8 +231,9 @@ class SUPAWorker(Worker):
 
     def _compile_warmup_sizes(self) -> list[int]:
         """Batch sizes to compile ahead of serving, largest first (the GPU
-        worker's rule): compile_sizes not captured as graphs, plus the end of
-        every compile range no such size or capture size falls into."""
+        worker's rule, vllm/v1/worker/gpu_worker.py:941-966 in vLLM 0.33):
+        compile_sizes not captured as graphs, plus the end of every compile
+        range no such size or capture size falls into."""
         cc = self.compilation_config
         if cc.mode != CompilationMode.VLLM_COMPILE or not has_compiled_submodule(
             self.model_runner.get_model()
