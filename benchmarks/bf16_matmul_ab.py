@@ -1,6 +1,6 @@
 """VLLM_BR_CPU_BF16_MATMUL settings compared inside one plugin engine.
 
-The setting is read by each GEMM when it runs (``vllm_br.ops.matmul``), so one
+The setting is read by each GEMM when it runs (``vllm_br.device.cpu_kernels.bf16_gemm``), so one
 engine (one start-up, one compiled graph) can serve a workload under each
 setting in turn: ``LLM.collective_rpc`` sets the variable in the worker
 before every generate. Settings alternate within each round (the first one

@@ -9,7 +9,7 @@ batch), at ``--threads`` threads, it times one call of
   alone. On a host with fast bf16 (AVX512-BF16 or AMX) that is the
   oneDNN-packed GEMM (``packed_linear``, path ``packed_bf16``); without it,
   the float32 weight copy (path ``fp32_copy``) or, at few rows, the plain
-  bf16 weight (``plain_bf16``), as ``vllm_br.ops.matmul.use_fp32_copy``
+  bf16 weight (``plain_bf16``), as ``vllm_br.device.cpu_kernels.bf16_gemm.use_fp32_copy``
   decides;
 - ``cold``: the same GEMM cycling through a pool of distinct weights of at
   least ``--pool-mib`` MiB (beyond what this host's L3 keeps), as in a
@@ -46,8 +46,8 @@ LAYER_SHAPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def gemm_path(rows: int, threads: int) -> str:
     """The GEMM the plugin's cpu backend runs for a bf16 model at ``rows``."""
+    from vllm_br.device.cpu_kernels import bf16_gemm as matmul
     from vllm_br.device.cpu_kernels import packed_linear
-    from vllm_br.ops import matmul
 
     if packed_linear.host_supported():
         return "packed_bf16"

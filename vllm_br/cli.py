@@ -21,8 +21,8 @@ def _version(dist: str) -> str | None:
 
 
 def collect_info() -> dict[str, Any]:
-    from vllm_br import __version__, envs
-    from vllm_br._version import SUPPORTED_VLLM_VERSION
+    from vllm_br import envs
+    from vllm_br._version import SUPPORTED_VLLM_VERSION, __version__
     from vllm_br.errors import SUPAConfigError
 
     info: dict[str, Any] = {

@@ -123,9 +123,16 @@ def encoder_attention_facts(worker) -> dict:
         ],
         "op_calls": {
             name: getattr(registry.get_op(name), "calls", None)
-            for name in ("attention_varlen", "paged_attention")
+            for name in ATTENTION_OPS
         },
     }
+
+
+ATTENTION_OPS = (
+    "attention_varlen",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+)
 
 
 def count_attention_ops(worker) -> None:
@@ -141,7 +148,7 @@ def count_attention_ops(worker) -> None:
         counted.calls = 0
         return counted
 
-    for name in ("attention_varlen", "paged_attention"):
+    for name in ATTENTION_OPS:
         fn = registry.get_op(name)
         if hasattr(fn, "calls"):
             fn.calls = 0
@@ -156,7 +163,8 @@ def assert_encoder_on_supa(facts: dict, num_layers: int, forwards: int) -> None:
     # built by the plugin's metadata builder in its encoder mode.
     assert facts["groups"] == [(True, True, num_layers)], facts
     assert facts["op_calls"]["attention_varlen"] >= num_layers * forwards, facts
-    assert facts["op_calls"]["paged_attention"] == 0, facts
+    assert facts["op_calls"]["paged_attention_decode"] == 0, facts
+    assert facts["op_calls"]["paged_attention_prefill"] == 0, facts
 
 
 # --------------------------------- MiniLM ----------------------------------- #

@@ -1,6 +1,6 @@
-"""The plugin's structure, checked from its source: what differs between
-device backends is asked of the backend's capabilities, never of its name,
-outside ``vllm_br/device/``."""
+"""The plugin's structure, checked from its source: its layers import
+downward only, and what differs between device backends is asked of the
+backend's capabilities, never of its name, outside ``vllm_br/device/``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,107 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_br"
+
+
+# The layers, bottom up: a module may import its own layer and those below.
+# device <- ops <- layers/attention <- worker <- platform, with the
+# foundation (settings, errors, logging, the vLLM compat module) under all.
+LAYERS: dict[str, int] = {
+    **dict.fromkeys(
+        ["_version", "errors", "envs", "logger", "compat", "model_cache"], 0
+    ),
+    "device": 1,
+    "ops": 2,
+    **dict.fromkeys(
+        ["layers", "attention", "distributed", "models", "compilation", "executor"],
+        3,
+    ),
+    "worker": 4,
+    "patches": 5,
+    "entry_points": 6,
+    **dict.fromkeys(["platform", "cli"], 7),
+    "__init__": 8,
+}
+
+
+def _unit(path: Path) -> str:
+    """The top-level unit of vllm_br a source file belongs to."""
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _runtime_imports(source: str) -> list[tuple[int, str]]:
+    """(line, vllm_br unit) of every import that runs (not those under
+    ``if TYPE_CHECKING:``, which only annotate)."""
+    tree = ast.parse(source)
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith(
+            "TYPE_CHECKING"
+        ):
+            skip |= {id(n) for child in node.body for n in ast.walk(child)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+            if node.module == "vllm_br":  # a submodule, or the package itself
+                names = [
+                    f"vllm_br.{a.name}"
+                    if (PACKAGE / a.name).is_dir()
+                    or (PACKAGE / f"{a.name}.py").exists()
+                    else "vllm_br.__init__"
+                    for a in node.names
+                ]
+        else:
+            continue
+        found += [
+            (node.lineno, n.split(".")[1]) for n in names if n.startswith("vllm_br.")
+        ]
+    return found
+
+
+def upward_imports(path: Path, source: str) -> list[str]:
+    unit = _unit(path)
+    rank = LAYERS[unit]
+    return [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports vllm_br.{target}"
+        for line, target in _runtime_imports(source)
+        if target != unit
+        and LAYERS.get(target, 99) >= rank
+        and not (LAYERS.get(target) == rank == 0)
+    ]
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(p) for p in PACKAGE.rglob("*.py")}
+    assert units <= set(LAYERS), units - set(LAYERS)
+
+
+def test_layers_import_downward_only():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        offenders += upward_imports(path, path.read_text())
+    assert not offenders, "imports against the layer order:\n" + "\n".join(offenders)
+
+
+def test_the_import_check_sees_an_upward_import():
+    device_file = PACKAGE / "device" / "cpu.py"
+    assert upward_imports(device_file, "from vllm_br.ops import linear\n")
+    assert upward_imports(device_file, "import vllm_br.layers.weight_layout\n")
+    assert upward_imports(device_file, "from vllm_br import worker\n")
+    assert upward_imports(PACKAGE / "ops" / "linear.py", "import vllm_br.layers\n")
+    # downward, its own layer, and type-only imports are fine
+    assert not upward_imports(device_file, "from vllm_br import envs\n")
+    assert not upward_imports(
+        device_file,
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from vllm_br.ops.paged_attention import PagedAttentionPlan\n",
+    )
+    assert not upward_imports(PACKAGE / "platform.py", "from vllm_br import worker\n")
 
 
 def _names_a_backend(node: ast.AST) -> bool:
@@ -22,9 +123,8 @@ def _names_a_backend(node: ast.AST) -> bool:
     if node.attr != "name":
         return False
     owner = ast.unparse(node.value)
-    return (
-        owner in ("backend", "_BACKEND")
-        or owner.endswith((".backend", "get_backend()"))
+    return owner in ("backend", "_BACKEND") or owner.endswith(
+        (".backend", "get_backend()")
     )
 
 

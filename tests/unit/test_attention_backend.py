@@ -4,6 +4,8 @@ CommonAttentionMetadata against the kernel and the float64 reference."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -248,7 +250,13 @@ def test_builder_impl_end_to_end(vllm_config, batch, dtype, layout, window, soft
 
     # Same as the op the backend resolves, called directly on the test's
     # own cache...
-    case.impl = staticmethod(get_op("paged_attention"))
+    case.impl = staticmethod(
+        functools.partial(
+            paged_attention,
+            decode=get_op("paged_attention_decode"),
+            prefill=get_op("paged_attention_prefill"),
+        )
+    )
     direct = case.run(sliding_window=window, logits_soft_cap=softcap)
     torch.testing.assert_close(output[:n], direct[:n], atol=1e-6, rtol=1e-6)
     # ...and as the float64 reference.

@@ -1,4 +1,4 @@
-"""vllm_br.ops.matmul: which weight a bf16 GEMM with a float32 weight copy
+"""vllm_br.device.cpu_kernels.bf16_gemm: which weight a bf16 GEMM with a float32 weight copy
 multiplies (the bf16 weight for few rows, the copy for many; the
 VLLM_BR_CPU_BF16_MATMUL settings), and that either gives a bf16 GEMM's result:
 checked bit for bit against the plain PyTorch op of the path taken, and within
@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_br.device.cpu_kernels import bf16_gemm as matmul
+from vllm_br.device.cpu_kernels.bf16_gemm import compute_logits
 from vllm_br.layers import weight_layout as wl
 from vllm_br.layers.weight_layout import NUMA, DeviceLayout
-from vllm_br.ops import matmul
-from vllm_br.ops.embedding import compute_logits
+from vllm_br.ops.linear import linear as reference_linear
 
 THREADS = 2  # what the tests pin torch.get_num_threads() to
 LINEAR_MAX = matmul.NATIVE_ROWS_PER_THREAD * THREADS  # native up to here (4)
@@ -147,17 +148,33 @@ def test_gemm_fp32_input_multiplies_the_copy(monkeypatch, rows, mode):
 
 
 @pytest.mark.parametrize("rows", [1, LINEAR_MAX + 1])
-def test_linear_op_device_layout_both_sides(rows):
+def test_linear_with_device_layout_and_copy(rows):
+    """A weight in a NUMA layout (which the cpu backend never makes) is
+    declined by the kernel, and the ``linear`` op's reference multiplies the
+    copy; outputs come back in logical order, bit for bit the plain weight's
+    GEMM in the copy."""
     sizes = [32, 32, 32]
     w, b = _weights(out_f=sum(sizes))
     layout = DeviceLayout.make(NUMA, 2, sizes, w.device)
     dev_w = wl.to_device_layout(w, NUMA, 2, sizes)
     x = _x(rows)
-    out = wl.linear(x, dev_w, b, layout, dev_w.float())
+    assert matmul.linear(x, dev_w, b, layout, dev_w.float()) is NotImplemented
+    out = reference_linear(x, dev_w, b, layout, dev_w.float())
+    assert torch.equal(out, _via_copy(x, w, b))
+    assert_bf16_close(out, _reference(x, w, b), native=False)
+
+
+@pytest.mark.parametrize("rows", [1, LINEAR_MAX + 1])
+def test_linear_kernel_plain_layout_both_sides(rows):
+    w, b = _weights()
+    x = _x(rows)
+    out = matmul.linear(x, w, b, None, w.float())
     copy = rows > LINEAR_MAX
-    # Outputs come back in logical order, bit for bit the plain weight's GEMM.
     assert torch.equal(out, (_via_copy if copy else _native)(x, w, b))
     assert_bf16_close(out, _reference(x, w, b), native=not copy)
+    # Without a copy the kernel declines: the reference's F.linear runs.
+    assert matmul.linear(x, w, b) is NotImplemented
+    assert matmul.compute_logits(x, w, None) is NotImplemented
 
 
 @pytest.mark.parametrize("rows", [1, LINEAR_MAX + 1, LM_HEAD_MAX, LM_HEAD_MAX + 1])
@@ -181,7 +198,7 @@ def test_compiled_graph_chooses_per_call(monkeypatch):
     w32 = w.float()
 
     def fn(x):
-        return wl.linear(x, w, b, None, w32)
+        return matmul.linear(x, w, b, None, w32)
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)

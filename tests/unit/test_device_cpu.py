@@ -188,9 +188,16 @@ def test_versions_and_kernels(backend):
     # The C++ host kernels (tests/unit/test_paged_attention.py checks them),
     # greedy sampling (tests/unit/test_sampling.py) and, on hosts with fast
     # bf16, the packed GEMMs (tests/unit/test_packed_linear.py).
-    expect = {"paged_attention", "reshape_and_cache", "greedy_sample"}
+    expect = {
+        "paged_attention_decode",
+        "paged_attention_prefill",
+        "reshape_and_cache",
+        "greedy_sample",
+        "linear",
+        "compute_logits",
+    }
     if packed_linear.host_supported():
-        expect |= {"linear", "compute_logits", "prepare_gemm_weight"}
+        expect |= {"prepare_gemm_weight"}
     assert set(backend.fused_kernels()) == expect
 
 

@@ -14,6 +14,7 @@ from vllm.platforms import current_platform
 from vllm_br import layers as br_layers
 from vllm_br.layers import weight_layout as wl
 from vllm_br.layers.weight_layout import NUMA, UMA, DeviceLayout
+from vllm_br.ops import linear as linear_op
 
 br_layers.register_all()
 
@@ -468,8 +469,8 @@ def test_linear_op_is_unchanged_by_numa_layout(dtype, sizes, with_bias):
     layout = DeviceLayout.make(NUMA, 2, sizes, w.device)
     assert layout is not None
     dev_w = wl.to_device_layout(w, NUMA, 2, sizes)
-    same(wl.linear(x, dev_w, b, layout), F.linear(x, w, b))
-    same(wl.linear(x, w, b, None), F.linear(x, w, b))
+    same(linear_op.linear(x, dev_w, b, layout), F.linear(x, w, b))
+    same(linear_op.linear(x, w, b, None), F.linear(x, w, b))
 
 
 class _FakeSupaBackend:
@@ -642,7 +643,7 @@ def test_linear_op_with_matmul_weight(layout_kind, with_bias):
     if layout_kind is not None:
         layout = DeviceLayout.make(layout_kind, 2, sizes, w.device)
         dev_w = wl.to_device_layout(w, layout_kind, 2, sizes)
-    out = wl.linear(x, dev_w, b, layout, dev_w.float())
+    out = linear_op.linear(x, dev_w, b, layout, dev_w.float())
     assert out.dtype == torch.bfloat16
     same(out, _fp32_gemm(x, w, b))
     # ... and agrees with torch's native bf16 GEMM up to summation order.

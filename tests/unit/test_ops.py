@@ -80,24 +80,47 @@ def test_get_op_prefers_fused_kernel_and_caches(fake_backend):
         return x
 
     backend = fake_backend({"rms_norm": fused_rms_norm})
-    assert ops.get_op("rms_norm") is fused_rms_norm
-    assert ops.get_op("rms_norm") is fused_rms_norm
+    op = ops.get_op("rms_norm")
+    assert op.kernel is fused_rms_norm and op.reference is layernorm.rms_norm
+    assert ops.get_op("rms_norm") is op  # resolved once
     assert ops.get_op("silu_and_mul") is activation.silu_and_mul
     assert backend.calls == 2  # once per op name, then cached
     ops.clear_cache()
-    assert ops.get_op("rms_norm") is fused_rms_norm
+    assert ops.get_op("rms_norm").kernel is fused_rms_norm
     assert backend.calls == 3
+
+
+def test_a_declining_kernel_falls_back_to_the_reference(fake_backend):
+    seen = []
+
+    def picky_rms_norm(x, weight, eps, variance_size=None):
+        seen.append(x.dtype)
+        if x.dtype != torch.float32:
+            return NotImplemented  # declined: nothing written
+        return torch.full_like(x, 7.0)
+
+    fake_backend({"rms_norm": picky_rms_norm})
+    op = ops.get_op("rms_norm")
+    x32 = torch.ones(2, 4)
+    assert torch.equal(op(x32, torch.ones(4), 1e-6), torch.full_like(x32, 7.0))
+    x16 = torch.randn(2, 4, dtype=torch.bfloat16)
+    w = torch.ones(4, dtype=torch.bfloat16)
+    assert torch.equal(op(x16, w, 1e-6), layernorm.rms_norm(x16, w, 1e-6))
+    assert seen == [torch.float32, torch.bfloat16]
 
 
 def test_cpu_backend_binds_only_its_host_kernels():
     from vllm_br.device import cpu
-    from vllm_br.device.cpu_kernels import packed_linear
+    from vllm_br.device.cpu_kernels import bf16_gemm, packed_linear
     from vllm_br.device.cpu_kernels import paged_attention as cpu_pa
 
-    host = {  # the C++ kernels, and greedy sampling through max()
-        "paged_attention": cpu_pa.paged_attention,
+    host = {  # the C++ kernels, greedy sampling through max(), float32 copies
+        "paged_attention_decode": cpu_pa.decode,
+        "paged_attention_prefill": cpu_pa.prefill,
         "reshape_and_cache": cpu_pa.reshape_and_cache,
         "greedy_sample": cpu.greedy_sample,
+        "linear": bf16_gemm.linear,
+        "compute_logits": bf16_gemm.compute_logits,
     }
     if packed_linear.host_supported():  # GEMMs on oneDNN-prepacked weights
         host["linear"] = packed_linear.linear
@@ -105,9 +128,14 @@ def test_cpu_backend_binds_only_its_host_kernels():
         host["prepare_gemm_weight"] = packed_linear.pack
     registry.clear_cache()
     for name in ops.registered_ops():
-        # "linear" is registered by vllm_br.layers.weight_layout
-        expect = host.get(name) or ops.reference_op(name)
-        assert ops.get_op(name) is expect, name
+        op = ops.get_op(name)
+        if name in host:
+            assert op.kernel is host[name] and op.reference is ops.reference_op(name), (
+                name
+            )
+        else:
+            assert op is ops.reference_op(name), name
+    assert set(host) <= set(ops.registered_ops())
 
 
 def test_duplicate_registration_is_refused():

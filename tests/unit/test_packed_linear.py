@@ -23,11 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from vllm_br.device import get_backend
-from vllm_br.device.cpu_kernels import gemv
+from vllm_br.device.cpu_kernels import bf16_gemm, gemv
 from vllm_br.device.cpu_kernels import packed_linear as pl
 from vllm_br.layers import weight_layout as wl
 from vllm_br.layers.weight_layout import NUMA, DeviceLayout
-from vllm_br.ops import embedding, matmul
+from vllm_br.ops import embedding
+from vllm_br.ops import linear as linear_op
+from vllm_br.ops.registry import with_fallback
+
+# The kernels as the op registry binds them: a declined call runs the op's
+# reference.
+linear = with_fallback(pl.linear, linear_op.linear)
+compute_logits = with_fallback(pl.compute_logits, embedding.compute_logits)
 
 FAST = pl.host_supported()
 needs_fast_bf16 = pytest.mark.skipif(
@@ -98,7 +105,7 @@ def test_packed_linear_bf16(rows, bias, calls):
     w, b = _weights(bias=bias)
     assert pl.pack(w) == w.numel() * 2
     x = _x(rows)
-    out = pl.linear(x, w, b)
+    out = linear(x, w, b)
     packed = rows <= pl.MAX_ROWS
     assert calls[0] == int(packed)
     assert_bf16_gemm(out, x, w, b)
@@ -116,11 +123,11 @@ def test_packed_linear_leading_dims_and_strided_input(calls):
     w, b = _weights()
     pl.pack(w)
     x3 = _x(2 * 5).view(2, 5, -1)
-    out = pl.linear(x3, w, b)
+    out = linear(x3, w, b)
     assert out.shape == (2, 5, w.shape[0]) and calls[0] == 1
     assert_bf16_gemm(out, x3, w, b)
     xt = _x(576, in_f=7).t()  # [7, 576], not contiguous
-    assert_bf16_gemm(pl.linear(xt, w, b), xt, w, b)
+    assert_bf16_gemm(linear(xt, w, b), xt, w, b)
     assert calls[0] == 2
 
 
@@ -130,7 +137,7 @@ def test_packed_lm_head(rows, calls):
     w, _ = _weights(out_f=1000, bias=False)
     pl.pack(w, lm_head=True)
     x = _x(rows)
-    out = pl.compute_logits(x, w, None, None)
+    out = compute_logits(x, w, None, None)
     assert calls[0] == int(rows <= pl.LM_HEAD_MAX_ROWS)
     assert_bf16_gemm(out, x, w, None)
 
@@ -152,8 +159,8 @@ def test_weight_without_entry_runs_the_reference(rows, calls):
     other, _ = _weights(seed=5)
     pl.pack(other)  # another weight's entry does not serve this one
     x = _x(rows)
-    assert torch.equal(pl.linear(x, w, b), F.linear(x, w, b))
-    assert torch.equal(pl.compute_logits(x, w, b), F.linear(x, w, b))
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(compute_logits(x, w, b), F.linear(x, w, b))
     assert calls[0] == 0
 
 
@@ -161,22 +168,22 @@ def test_float32_is_not_packed(calls):
     w, b = _weights(dtype=torch.float32)
     assert pl.pack(w) == 0
     x = _x(4, dtype=torch.float32)
-    assert torch.equal(pl.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     assert calls[0] == 0
 
 
 @pytest.mark.parametrize("rows", [1, 32])
 def test_float32_weight_copy_runs_matmul_gemm(rows, calls):
     """Where bf16 is slow (AVX2 hosts) GEMMs multiply float32 copies through
-    vllm_br.ops.matmul; given a copy, the op is that reference exactly, even
-    with a packed entry."""
+    bf16_gemm; given a copy, the kernel is bf16_gemm's exactly, even with a
+    packed entry."""
     w, b = _weights()
     pl.pack(w)
     x = _x(rows)
-    expect = matmul.gemm(x, w, w.float(), b)
-    assert torch.equal(pl.linear(x, w, b, None, w.float()), expect)
-    logits = embedding.compute_logits(x, w, None, w.float())
-    assert torch.equal(pl.compute_logits(x, w, None, w.float()), logits)
+    expect = bf16_gemm.gemm(x, w, w.float(), b)
+    assert torch.equal(linear(x, w, b, None, w.float()), expect)
+    logits = bf16_gemm.gemm(x, w, w.float(), None, lm_head=True)
+    assert torch.equal(compute_logits(x, w, None, w.float()), logits)
     assert calls[0] == 0
 
 
@@ -187,7 +194,7 @@ def test_numa_layout_runs_the_reference(calls):
     dev_w = wl.to_device_layout(w, NUMA, 2, sizes)
     pl.pack(dev_w)
     x = _x(3)
-    assert torch.equal(pl.linear(x, dev_w, b, layout), F.linear(x, w, b))
+    assert torch.equal(linear(x, dev_w, b, layout), F.linear(x, w, b))
     assert calls[0] == 0
 
 
@@ -200,7 +207,7 @@ def test_setting_off_packs_nothing_and_multiplies_plainly(monkeypatch, calls):
     assert packed is FAST
     monkeypatch.setenv("VLLM_BR_CPU_PACKED_GEMM", "0")  # read when the op runs
     x = _x(2)
-    assert torch.equal(pl.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     assert calls[0] == 0
 
 
@@ -230,7 +237,7 @@ def test_weight_written_in_place_falls_back(calls):
         w.mul_(2)  # e.g. a weight reload: the packed copy is stale
     x = _x(2)
     assert pl.lookup(w) is None
-    assert torch.equal(pl.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     assert calls[0] == 0
 
 
@@ -251,12 +258,16 @@ def test_bound_where_the_host_has_fast_bf16(monkeypatch):
     from vllm_br.device import cpu_kernels
 
     kernels = cpu_kernels.fused_kernels()
-    bound = {"linear", "compute_logits", "prepare_gemm_weight"} <= set(kernels)
-    assert bound is FAST
-    if FAST:
-        assert kernels["linear"] is pl.linear
+    assert ("prepare_gemm_weight" in kernels) is FAST
+    assert (kernels["linear"] is pl.linear) is FAST
+    assert (kernels["compute_logits"] is pl.compute_logits) is FAST
+    if not FAST:  # GEMMs on float32 weight copies, where there are copies
+        assert kernels["linear"] is bf16_gemm.linear
     monkeypatch.setenv("VLLM_BR_CPU_KERNELS", "0")
-    assert "linear" not in cpu_kernels.fused_kernels()
+    kernels = cpu_kernels.fused_kernels()
+    assert "prepare_gemm_weight" not in kernels
+    assert kernels["linear"] is bf16_gemm.linear
+    assert kernels["compute_logits"] is bf16_gemm.compute_logits
 
 
 # ---- torch.compile ---------------------------------------------------------------
@@ -269,7 +280,7 @@ class _Lin(torch.nn.Module):
         self.bias = None if b is None else torch.nn.Parameter(b, requires_grad=False)
 
     def forward(self, x):
-        return pl.linear(x, self.weight, self.bias) * 2
+        return linear(x, self.weight, self.bias) * 2
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
@@ -291,7 +302,7 @@ def test_compiled_graph_chooses_per_call(backend, calls):
     assert calls[0] == (2 if FAST else 0)
     assert torch.equal(out_big, F.linear(big, w, b) * 2)
     for x, out in ((x5, out5), (x3, out3)):
-        assert torch.equal(out, pl.linear(x, w, b) * 2)
+        assert torch.equal(out, linear(x, w, b) * 2)
         assert_bf16_gemm(out / 2, x, w, b)
     torch._dynamo.reset()
 

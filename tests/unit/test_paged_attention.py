@@ -15,6 +15,7 @@ reference for the rest), which must meet the same tolerances.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -30,8 +31,16 @@ from vllm_br.ops.paged_attention import (
     paged_attention,
     reshape_and_cache,
 )
+from vllm_br.ops.registry import with_fallback
 
 BLOCK_SIZE = 128
+# The C++ kernels as the op registry binds them: a declined part runs the
+# op's reference.
+KERNELS = functools.partial(
+    paged_attention,
+    decode=with_fallback(cpu_pa.decode, pa.paged_attention_decode),
+    prefill=with_fallback(cpu_pa.prefill, pa.paged_attention_prefill),
+)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
 
 # vLLM KVCacheLayout stride orders over logical [L, B, H, N, C].
@@ -64,7 +73,7 @@ def impl(request, monkeypatch):
     without its AMX path for bf16 prefills."""
     if request.param.startswith("cpu_kernel"):
         assert cpu_kernels.load_library() is not None, "the C++ kernels must build"
-        monkeypatch.setattr(Case, "impl", staticmethod(cpu_pa.paged_attention))
+        monkeypatch.setattr(Case, "impl", staticmethod(KERNELS))
         amx = "1" if request.param == "cpu_kernel" else "0"
         monkeypatch.setenv("VLLM_BR_CPU_ATTENTION_AMX", amx)
     return request.param
@@ -460,24 +469,31 @@ KERNEL_ONLY = pytest.mark.parametrize(
 
 
 def _with_kernel(case, causal=True, **kw):
-    """Run the C++ attention kernel alone on case's batch; returns
-    ((decodes done, prefills done), out)."""
+    """Run the C++ decode and prefill kernels alone on case's batch; returns
+    ((decodes done, prefills done), out): a part is done where the batch has
+    it and the kernel did not decline it."""
     plan = make_paged_attention_plan(case.qsl, case.seq_lens_t)
     out = torch.zeros_like(case.query)
-    done = cpu_pa.attention(
-        case.query,
-        case.kv_cache,
-        case.block_table,
-        case.seq_lens_t,
-        case.scale,
-        case.hkv,
-        kw.get("window"),
-        kw.get("soft_cap"),
-        out,
-        plan,
-        causal,
-    )
-    return done, out
+    done = []
+    for kernel, present in (
+        (cpu_pa.decode, plan.num_decodes),
+        (cpu_pa.prefill, plan.num_prefills),
+    ):
+        ran = kernel(
+            case.query,
+            case.kv_cache,
+            case.block_table,
+            case.seq_lens_t,
+            case.scale,
+            case.hkv,
+            causal=causal,
+            sliding_window=kw.get("window"),
+            logits_soft_cap=kw.get("soft_cap"),
+            output=out,
+            plan=plan,
+        )
+        done.append(bool(present) and ran is not NotImplemented)
+    return tuple(done), out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -532,7 +548,7 @@ def test_cpu_kernel_leaves_non_causal_prefills_to_the_reference(impl):
     ]
     assert out[prefill_rows].abs().sum() == 0
     # paged_attention then runs those on the reference: the whole batch matches.
-    case.impl = staticmethod(cpu_pa.paged_attention)
+    case.impl = staticmethod(KERNELS)
     check(case, case.run(causal=False), case.reference(causal=False))
 
 
@@ -542,7 +558,7 @@ def test_cpu_kernel_declines_unsupported_head_size(impl):
     done, out = _with_kernel(case)
     assert done == (False, False) and out.abs().sum() == 0
     # paged_attention then falls back to the reference decode.
-    case.impl = staticmethod(cpu_pa.paged_attention)
+    case.impl = staticmethod(KERNELS)
     check(case, case.run(), case.reference())
 
 
@@ -580,7 +596,9 @@ def test_cpu_kernel_cache_write_equals_reference(dtype, layout, impl):
     # A float32 key into a bf16 cache takes the reference (it rounds on write).
     if dtype == torch.bfloat16:
         k32, v32 = torch.randn(1, hkv, d), torch.randn(1, hkv, d)
-        cpu_pa.reshape_and_cache(k32, v32, cache, torch.tensor([130]))
+        slots = torch.tensor([130])
+        assert cpu_pa.reshape_and_cache(k32, v32, cache, slots) is NotImplemented
+        reshape_and_cache(k32, v32, cache, slots)
         assert torch.equal(cache[1, :, 2, :d], k32[0].bfloat16())
 
 
@@ -589,12 +607,15 @@ def test_cpu_kernels_can_be_switched_off(monkeypatch, impl):
     monkeypatch.setenv("VLLM_BR_CPU_KERNELS", "0")
     cpu_kernels.load_library.cache_clear()
     try:
-        assert cpu_kernels.fused_kernels() == {}
+        # Only the GEMMs on float32 copies (no C++) stay bound.
+        assert set(cpu_kernels.fused_kernels()) == {"linear", "compute_logits"}
     finally:
         monkeypatch.delenv("VLLM_BR_CPU_KERNELS")
         cpu_kernels.load_library.cache_clear()
-    assert "paged_attention" in cpu_kernels.fused_kernels()
-    assert "reshape_and_cache" in cpu_kernels.fused_kernels()
+    kernels = cpu_kernels.fused_kernels()
+    assert kernels["paged_attention_decode"] is cpu_pa.decode
+    assert kernels["paged_attention_prefill"] is cpu_pa.prefill
+    assert kernels["reshape_and_cache"] is cpu_pa.reshape_and_cache
 
 
 @pytest.mark.parametrize("impl", ["reference"], indirect=True)

@@ -10,10 +10,12 @@ Pieces:
   :class:`SUPAFlashAttentionMetadata`, including the host-built decode/prefill
   plan every layer reuses.
 * :class:`SUPAFlashAttentionImpl` - per layer: ``do_kv_cache_update`` writes the
-  new K/V (``reshape_and_cache``), ``forward`` runs ``paged_attention`` (or
+  new K/V (``reshape_and_cache``), ``forward`` runs ``paged_attention_decode``
+  and ``paged_attention_prefill`` (or
   ``attention_varlen`` for ENCODER_ONLY layers) into ``output``.
 
-The kernels are the ops ``paged_attention``, ``reshape_and_cache`` and
+The kernels are the ops ``paged_attention_decode``,
+``paged_attention_prefill``, ``reshape_and_cache`` and
 ``attention_varlen`` (references in :mod:`vllm_br.ops.paged_attention`), called
 through ``vllm_br.ops.get_op`` so a device backend can bind fused kernels with
 the same signatures (importing the ops module registers them); this module
@@ -360,22 +362,27 @@ class SUPAFlashAttentionImpl(AttentionImpl[SUPAFlashAttentionMetadata]):
             )
             return output
 
-        get_op("paged_attention")(
-            query[:n],
-            kv_cache,
-            attn_metadata.block_table,
-            attn_metadata.seq_lens,
-            attn_metadata.query_start_loc,
-            self.scale,
-            self.num_kv_heads,
-            causal=attn_metadata.causal,
-            sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap,
-            max_query_len=attn_metadata.max_query_len,
-            max_seq_len=attn_metadata.max_seq_len,
-            output=output[:n],
-            plan=attn_metadata.plan,
-        )
+        # Decodes and prefills are separate kernels (as in vLLM's CPU
+        # attention backend); the step's plan says which requests are which.
+        plan = attn_metadata.plan
+        for op, present in (
+            ("paged_attention_decode", plan.num_decodes),
+            ("paged_attention_prefill", plan.num_prefills),
+        ):
+            if present:
+                get_op(op)(
+                    query[:n],
+                    kv_cache,
+                    attn_metadata.block_table,
+                    attn_metadata.seq_lens,
+                    self.scale,
+                    self.num_kv_heads,
+                    causal=attn_metadata.causal,
+                    sliding_window=self.sliding_window,
+                    logits_soft_cap=self.logits_soft_cap,
+                    output=output[:n],
+                    plan=plan,
+                )
         return output
 
     def do_kv_cache_update(

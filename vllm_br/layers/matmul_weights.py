@@ -10,7 +10,7 @@ result to bfloat16, which is what a bf16 GEMM with float32 accumulation
 computes. The bfloat16 weights stay (embedding lookups and anything else
 that reads ``weight`` see the model dtype), and GEMMs of few rows (decode)
 multiply them instead: reading the weight bounds those, and the copy is twice
-the bytes (``vllm_br.ops.matmul.use_fp32_copy``, the measured threshold). A
+the bytes (``vllm_br.device.cpu_kernels.bf16_gemm.use_fp32_copy``, the measured threshold). A
 card keeps its native dtype, and so nothing is attached.
 
 :func:`prepare` then hands every GEMM weight that has no such copy to the

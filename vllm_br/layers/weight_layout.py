@@ -20,10 +20,11 @@ and so is every layout on one die and on the cpu backend.
 
 The exact physical format is the vendor kernel's; everything about it lives
 in :func:`_numa_order`, the single place to change. ``to_device_layout`` and
-``from_device_layout`` are exact inverses; the ``linear`` op below computes
-with the device layout and returns outputs in logical order, bit for bit the
-same as ``F.linear`` on the plain weight. A fused ``linear`` kernel from the
-device backend takes the same arguments and reads the layout natively.
+``from_device_layout`` are exact inverses; the ``linear`` op
+(``vllm_br.ops.linear``) computes with the device layout and returns outputs
+in logical order, bit for bit the same as ``F.linear`` on the plain weight. A
+fused ``linear`` kernel from the device backend takes the same arguments and
+reads the layout natively.
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
-from vllm_br.ops import matmul
-from vllm_br.ops.registry import register_op
 
 UMA = "UMA"
 NUMA = "NUMA"
@@ -154,35 +151,3 @@ def current_layout() -> tuple[str, int]:
         return UMA, 1
     dies = backend.topology().dies_per_device
     return envs.VLLM_BR_WEIGHT_TYPE, (dies[0] if dies else 1)
-
-
-@register_op("linear")
-def linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    layout: DeviceLayout | None = None,
-    matmul_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``x @ W.T + b`` for ``W`` stored in ``layout``; ``bias`` is logical.
-
-    Each output channel is the same dot product as with the plain weight, so
-    the result equals ``F.linear(x, W_logical, b)`` exactly. ``matmul_weight``
-    is ``weight`` in a wider dtype (see ``vllm_br.layers.matmul_weights``):
-    ``vllm_br.ops.matmul.gemm`` then chooses per call which of the two to
-    multiply, and rounds the product to ``x``'s dtype.
-    """
-    if layout is not None:
-        to_device, from_device = layout.to_device, layout.from_device
-        if to_device.device != weight.device:
-            to_device, from_device = (
-                to_device.to(weight.device),
-                from_device.to(weight.device),
-            )
-        if bias is not None:
-            bias = bias.index_select(0, to_device)
-    if matmul_weight is None:
-        out = F.linear(x, weight, bias)
-    else:
-        out = matmul.gemm(x, weight, matmul_weight, bias)
-    return out if layout is None else out.index_select(-1, from_device)

@@ -5,7 +5,7 @@ it binds one, else the reference implementation registered here. Layers
 (``vllm_br.layers``) call ops only through ``get_op``.
 """
 
-from vllm_br.ops import activation, embedding, layernorm, rotary  # noqa: F401
+from vllm_br.ops import activation, embedding, layernorm, linear, rotary  # noqa: F401
 from vllm_br.ops.registry import (
     clear_cache,
     get_op,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_br.ops import matmul
+from vllm_br.ops.linear import gemm_in_copy
 from vllm_br.ops.registry import register_op
 
 
@@ -59,12 +59,12 @@ def compute_logits(
     matmul_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's vocab shard of the logits (unquantized lm_head).
-    ``matmul_weight``: ``weight`` in a wider dtype; ``matmul.gemm`` chooses
-    per call which of the two to multiply, and the logits are rounded to the
-    hidden states' dtype, as without it."""
+    ``matmul_weight``: ``weight`` in a wider dtype, multiplied instead (a
+    device kernel may choose per call); the logits are rounded to the hidden
+    states' dtype, as without it."""
     if matmul_weight is None:
         return F.linear(hidden_states, weight, bias)
-    return matmul.gemm(hidden_states, weight, matmul_weight, bias, lm_head=True)
+    return gemm_in_copy(hidden_states, matmul_weight, bias)
 
 
 @register_op("logits_soft_cap_and_scale")

@@ -3,8 +3,10 @@
 These are the SUPA attention kernels' reference implementations. They use only
 device-agnostic PyTorch ops, so they run on CPU (tests) and on any torch device,
 and they are vectorised over the batch: no Python loop runs per request.
-Registered with the op registry as ``reshape_and_cache``, ``paged_attention``
-and ``attention_varlen`` (callers use ``vllm_br.ops.get_op(name)``).
+Registered with the op registry as ``reshape_and_cache``,
+``paged_attention_decode``, ``paged_attention_prefill`` and
+``attention_varlen`` (callers use ``vllm_br.ops.get_op(name)``);
+:func:`paged_attention` runs both parts of a step.
 
 KV cache
 --------
@@ -73,6 +75,8 @@ __all__ = [
     "attention_varlen",
     "make_paged_attention_plan",
     "paged_attention",
+    "paged_attention_decode",
+    "paged_attention_prefill",
     "reshape_and_cache",
 ]
 
@@ -423,74 +427,28 @@ def _mask(
 # --------------------------------------------------------------------------- #
 
 
-@register_op("paged_attention")
-def paged_attention(
+def _attend_part(
+    decodes: bool,
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
     scale: float,
     num_kv_heads: int,
-    *,
-    causal: bool | torch.Tensor = True,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    max_query_len: int,
-    max_seq_len: int,
-    output: torch.Tensor | None = None,
-    plan: PagedAttentionPlan | None = None,
-    use_sdpa: bool = True,
-    kernel: Callable[..., tuple[bool, bool]] | None = None,
-) -> torch.Tensor:
-    """Attention of every request's new query tokens over its paged K/V.
-
-    Args:
-        query: ``[num_tokens, num_heads, head_size]``.
-        kv_cache: one layer's ``[num_blocks, num_kv_heads, block_size, 2 * D]``
-            view (see module doc); the new tokens must already be written.
-        block_table: ``[num_reqs, max_blocks]`` block ids.
-        seq_lens: ``[num_reqs]`` total tokens (context + new) per request.
-        query_start_loc: ``[num_reqs + 1]`` cumulative query lengths.
-        scale: softmax scale.
-        num_kv_heads: KV heads (``num_heads`` must be a multiple).
-        causal: bool, or a per-request bool tensor.
-        sliding_window: vLLM window (None / <= 0: off): a query at position p
-            attends keys at positions > p - window.
-        logits_soft_cap: ``tanh(s / cap) * cap`` on the scaled scores.
-        max_query_len, max_seq_len: host-side upper bounds (used when no
-            ``plan`` is given).
-        output: ``[num_tokens, num_heads, head_size_v]`` or
-            ``[num_tokens, num_heads * head_size_v]``; only real query rows
-            (``< query_start_loc[-1]``) are written. Allocated when None.
-        plan: the step's :class:`PagedAttentionPlan`; built here (one host
-            sync) when None.
-        use_sdpa: False forces the explicit float32 path.
-        kernel: a device kernel, called as ``kernel(query, kv_cache,
-            block_table, seq_lens, scale, num_kv_heads, window,
-            logits_soft_cap, out3, plan, causal)``; it returns (decodes done,
-            prefills done), having written nothing for a part it does not
-            take, and the reference runs that part.
-
-    Returns:
-        ``output``.
-
-    """
+    causal: bool | torch.Tensor,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    output: torch.Tensor,
+    plan: PagedAttentionPlan,
+    use_sdpa: bool,
+) -> None:
+    """The plan's decodes (``decodes``) or prefills, into ``output``."""
     num_tokens, num_heads, head_size = query.shape
     nb_total, hkv, block_size, content = kv_cache.shape
     assert hkv == num_kv_heads, (kv_cache.shape, num_kv_heads)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     head_size_v = content - head_size
-    if output is None:
-        output = query.new_zeros((num_tokens, num_heads, head_size_v))
     out3 = output.view(output.shape[0], num_heads, head_size_v)
-    if plan is None:
-        plan = make_paged_attention_plan(
-            query_start_loc.cpu(),
-            None,
-            max_seq_len=max(int(max_seq_len), int(max_query_len), 1),
-            device=query.device,
-        )
     window = _window(sliding_window)
     dyn_causal = isinstance(causal, torch.Tensor)
     width = block_table.shape[1]
@@ -521,30 +479,10 @@ def paged_attention(
                 plan._cache[mkey] = m
         return k, v, m
 
-    # ---- decodes: [num_decodes, H, 1, S] ---------------------------------- #
-    nd, npf = plan.num_decodes, plan.num_prefills
-    if (nd or npf) and kernel is not None:
-        decodes_done, prefills_done = kernel(
-            query,
-            kv_cache,
-            block_table,
-            seq_lens,
-            scale,
-            num_kv_heads,
-            window,
-            logits_soft_cap,
-            out3,
-            plan,
-            causal,
-        )
-        nd = 0 if decodes_done else nd
-        npf = 0 if prefills_done else npf
-    if not (nd or npf):
-        return output
-    # int64 for the reference's index arithmetic (the kernel takes the
-    # device's int32 as is: converting there cost two copies per layer).
-    seq_lens = seq_lens.to(torch.long)
-    if nd:
+    seq_lens = seq_lens.to(torch.long)  # for the index arithmetic
+    if decodes:
+        # ---- [num_decodes, H, 1, S] ------------------------------------------ #
+        nd = plan.num_decodes
         if plan.decode_reqs is None:
             q = query[:nd]
             bt = block_table[:nd]
@@ -575,44 +513,199 @@ def paged_attention(
             out3[:nd] = o
         else:
             out3.index_copy_(0, plan.decode_tokens, o.to(out3.dtype))
+        return
 
-    # ---- prefills: padded [num_prefills, H, max_q, S], query-chunked ------- #
-    if npf:
-        preqs = plan.prefill_reqs
-        tok_req = plan.prefill_token_req
-        tok_local = plan.prefill_token_local
-        max_q = plan.prefill_max_query_len
-        bt = block_table.index_select(0, preqs)
-        sl = seq_lens.index_select(0, preqs)
-        c = causal.index_select(0, preqs) if dyn_causal else causal
-        nb = n_blocks(plan.prefill_max_seq_len, max_q)
-        key = ("prefill", window, None if dyn_causal else bool(c), nb)
+    # ---- prefills: padded [num_prefills, H, max_q, S], query-chunked -------- #
+    npf = plan.num_prefills
+    preqs = plan.prefill_reqs
+    tok_req = plan.prefill_token_req
+    tok_local = plan.prefill_token_local
+    max_q = plan.prefill_max_query_len
+    bt = block_table.index_select(0, preqs)
+    sl = seq_lens.index_select(0, preqs)
+    c = causal.index_select(0, preqs) if dyn_causal else causal
+    nb = n_blocks(plan.prefill_max_seq_len, max_q)
+    key = ("prefill", window, None if dyn_causal else bool(c), nb)
 
-        def prefill_positions():
-            ctx = sl - plan.prefill_query_lens
-            qpos = ctx[:, None] + torch.arange(max_q, device=query.device)[None, :]
-            start = None
-            if window is not None:
-                start = torch.div(
-                    (ctx - window + 1).clamp(min=0), block_size, rounding_mode="floor"
-                )
-            return qpos, start
+    def prefill_positions():
+        ctx = sl - plan.prefill_query_lens
+        qpos = ctx[:, None] + torch.arange(max_q, device=query.device)[None, :]
+        start = None
+        if window is not None:
+            start = torch.div(
+                (ctx - window + 1).clamp(min=0), block_size, rounding_mode="floor"
+            )
+        return qpos, start
 
-        k, v, m = gather_with_mask(key, prefill_positions, bt, sl, c, nb)
-        if plan.prefill_tokens is None:
-            t0 = plan.prefill_token_start
-            qf = query[t0 : t0 + plan.num_prefill_tokens]
-        else:
-            qf = query.index_select(0, plan.prefill_tokens)
-        q_pad = query.new_zeros((npf, max_q, num_heads, head_size))
-        q_pad[tok_req, tok_local] = qf
-        o_pad = _attend(q_pad, k, v, m, scale, logits_soft_cap, use_sdpa)
-        o = o_pad[tok_req, tok_local].to(out3.dtype)
-        if plan.prefill_tokens is None:
-            t0 = plan.prefill_token_start
-            out3[t0 : t0 + plan.num_prefill_tokens] = o
-        else:
-            out3.index_copy_(0, plan.prefill_tokens, o)
+    k, v, m = gather_with_mask(key, prefill_positions, bt, sl, c, nb)
+    if plan.prefill_tokens is None:
+        t0 = plan.prefill_token_start
+        qf = query[t0 : t0 + plan.num_prefill_tokens]
+    else:
+        qf = query.index_select(0, plan.prefill_tokens)
+    q_pad = query.new_zeros((npf, max_q, num_heads, head_size))
+    q_pad[tok_req, tok_local] = qf
+    o_pad = _attend(q_pad, k, v, m, scale, logits_soft_cap, use_sdpa)
+    o = o_pad[tok_req, tok_local].to(out3.dtype)
+    if plan.prefill_tokens is None:
+        t0 = plan.prefill_token_start
+        out3[t0 : t0 + plan.num_prefill_tokens] = o
+    else:
+        out3.index_copy_(0, plan.prefill_tokens, o)
+
+
+@register_op("paged_attention_decode")
+def paged_attention_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_kv_heads: int,
+    *,
+    causal: bool | torch.Tensor = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    output: torch.Tensor,
+    plan: PagedAttentionPlan,
+    use_sdpa: bool = True,
+) -> None:
+    """Attention of the plan's decodes (one new token each) over their paged
+    K/V, into their rows of ``output``; other rows are left as they are.
+    Arguments as :func:`paged_attention`'s; ``plan`` is required."""
+    if plan.num_decodes:
+        _attend_part(
+            True,
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            scale,
+            num_kv_heads,
+            causal,
+            sliding_window,
+            logits_soft_cap,
+            output,
+            plan,
+            use_sdpa,
+        )
+
+
+@register_op("paged_attention_prefill")
+def paged_attention_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_kv_heads: int,
+    *,
+    causal: bool | torch.Tensor = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    output: torch.Tensor,
+    plan: PagedAttentionPlan,
+    use_sdpa: bool = True,
+) -> None:
+    """Attention of the plan's prefills (several new tokens each: prefill,
+    chunked prefill, prefix-cache hits) over their paged K/V, into their rows
+    of ``output``; other rows are left as they are."""
+    if plan.num_prefills:
+        _attend_part(
+            False,
+            query,
+            kv_cache,
+            block_table,
+            seq_lens,
+            scale,
+            num_kv_heads,
+            causal,
+            sliding_window,
+            logits_soft_cap,
+            output,
+            plan,
+            use_sdpa,
+        )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    num_kv_heads: int,
+    *,
+    causal: bool | torch.Tensor = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    max_query_len: int,
+    max_seq_len: int,
+    output: torch.Tensor | None = None,
+    plan: PagedAttentionPlan | None = None,
+    use_sdpa: bool = True,
+    decode: Callable[..., None] = paged_attention_decode,
+    prefill: Callable[..., None] = paged_attention_prefill,
+) -> torch.Tensor:
+    """Attention of every request's new query tokens over its paged K/V: the
+    decode part, then the prefill part, as the attention backend's
+    ``forward`` runs them (``decode`` / ``prefill``: the references unless
+    given, e.g. ``get_op("paged_attention_decode")``).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``.
+        kv_cache: one layer's ``[num_blocks, num_kv_heads, block_size, 2 * D]``
+            view (see module doc); the new tokens must already be written.
+        block_table: ``[num_reqs, max_blocks]`` block ids.
+        seq_lens: ``[num_reqs]`` total tokens (context + new) per request.
+        query_start_loc: ``[num_reqs + 1]`` cumulative query lengths.
+        scale: softmax scale.
+        num_kv_heads: KV heads (``num_heads`` must be a multiple).
+        causal: bool, or a per-request bool tensor.
+        sliding_window: vLLM window (None / <= 0: off): a query at position p
+            attends keys at positions > p - window.
+        logits_soft_cap: ``tanh(s / cap) * cap`` on the scaled scores.
+        max_query_len, max_seq_len: host-side upper bounds (used when no
+            ``plan`` is given).
+        output: ``[num_tokens, num_heads, head_size_v]`` or
+            ``[num_tokens, num_heads * head_size_v]``; only real query rows
+            (``< query_start_loc[-1]``) are written. Allocated when None.
+        plan: the step's :class:`PagedAttentionPlan`; built here (one host
+            sync) when None.
+        use_sdpa: False forces the explicit float32 path.
+
+    Returns:
+        ``output``.
+
+    """
+    num_tokens, num_heads, head_size = query.shape
+    head_size_v = kv_cache.shape[-1] - head_size
+    if output is None:
+        output = query.new_zeros((num_tokens, num_heads, head_size_v))
+    if plan is None:
+        plan = make_paged_attention_plan(
+            query_start_loc.cpu(),
+            None,
+            max_seq_len=max(int(max_seq_len), int(max_query_len), 1),
+            device=query.device,
+        )
+    for part, present in ((decode, plan.num_decodes), (prefill, plan.num_prefills)):
+        if present:
+            part(
+                query,
+                kv_cache,
+                block_table,
+                seq_lens,
+                scale,
+                num_kv_heads,
+                causal=causal,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+                output=output,
+                plan=plan,
+                use_sdpa=use_sdpa,
+            )
     return output
 
 

@@ -1,10 +1,14 @@
 """The op registry: one reference implementation per op, or the device's kernel.
 
 ``@register_op("rms_norm")`` records the plain-PyTorch reference. ``get_op``
-returns the fused kernel that ``get_backend().fused_kernels()`` binds under
-that name (same signature and semantics as the reference), else the
-reference; it is resolved on first use and cached, so a hot path pays one
-dict lookup.
+returns the kernel that ``get_backend().fused_kernels()`` binds under that
+name (same signature and semantics as the reference), else the reference;
+it is resolved on first use and cached, so a hot path pays one dict lookup.
+
+A kernel may decline a call it does not handle (a dtype, a head size, a
+layout) by returning ``NotImplemented``, having written nothing; the
+reference then runs. So kernels never call the references themselves, and
+the device layer imports nothing from ``vllm_br.ops``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,25 @@ def _import_op_modules() -> None:
         importlib.import_module(f"{package.__name__}.{info.name}")
 
 
+def with_fallback(
+    kernel: Callable[..., Any], reference: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``kernel``, and ``reference`` for the calls it declines (returns
+    ``NotImplemented``). The kernel is ``.kernel`` of the result."""
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        out = kernel(*args, **kwargs)
+        if out is NotImplemented:
+            return reference(*args, **kwargs)
+        return out
+
+    op.kernel = kernel  # type: ignore[attr-defined]
+    op.reference = reference  # type: ignore[attr-defined]
+    op.__name__ = getattr(kernel, "__name__", "kernel")
+    op.__doc__ = getattr(kernel, "__doc__", None)
+    return op
+
+
 def get_op(name: str) -> Callable[..., Any]:
     fn = _RESOLVED.get(name)
     if fn is None:
@@ -52,9 +75,12 @@ def get_op(name: str) -> Callable[..., Any]:
 
         if name not in _REFERENCE:
             _import_op_modules()
-        fused = get_backend().fused_kernels().get(name)
-        fn = _RESOLVED[name] = fused if fused is not None else _REFERENCE[name]
-        logger.debug("op %s -> %s", name, "fused kernel" if fused else "reference")
+        reference = _REFERENCE[name]
+        kernel = get_backend().fused_kernels().get(name)
+        fn = _RESOLVED[name] = (
+            reference if kernel is None else with_fallback(kernel, reference)
+        )
+        logger.debug("op %s -> %s", name, "kernel" if kernel else "reference")
     return fn
 
 

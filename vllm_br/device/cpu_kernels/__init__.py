@@ -142,19 +142,25 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def fused_kernels() -> dict[str, object]:
-    """The ops the cpu backend accelerates, by op name: this library's (none
-    without it) and, on hosts with fast bf16, the GEMMs on oneDNN-prepacked
-    weights (``packed_linear``: torch's own oneDNN, so bound without a
-    compiler too). ``VLLM_BR_CPU_KERNELS=0`` binds none of them."""
-    kernels: dict[str, object] = {}
-    if load_library() is not None:
-        from vllm_br.device.cpu_kernels.paged_attention import (
-            paged_attention,
-            reshape_and_cache,
-        )
+    """The ops the cpu backend accelerates, by op name: this library's C++
+    kernels (none without it), the GEMMs on oneDNN-prepacked weights on hosts
+    with fast bf16 (``packed_linear``: torch's own oneDNN, so bound without a
+    compiler too), and GEMMs on float32 weight copies chosen per call
+    (``bf16_gemm``, where the host has no fast bf16). ``VLLM_BR_CPU_KERNELS=0``
+    binds neither the C++ kernels nor the packed GEMMs. Each kernel declines
+    what it does not handle (the reference runs)."""
+    from vllm_br.device.cpu_kernels import bf16_gemm
 
-        kernels["paged_attention"] = paged_attention
-        kernels["reshape_and_cache"] = reshape_and_cache
+    kernels: dict[str, object] = {
+        "linear": bf16_gemm.linear,
+        "compute_logits": bf16_gemm.compute_logits,
+    }
+    if load_library() is not None:
+        from vllm_br.device.cpu_kernels import paged_attention
+
+        kernels["paged_attention_decode"] = paged_attention.decode
+        kernels["paged_attention_prefill"] = paged_attention.prefill
+        kernels["reshape_and_cache"] = paged_attention.reshape_and_cache
     if envs.VLLM_BR_CPU_KERNELS:
         from vllm_br.device.cpu_kernels import packed_linear
 

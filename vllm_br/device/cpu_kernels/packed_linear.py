@@ -40,15 +40,14 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from vllm_br import envs
 from vllm_br.device import cpu_isa
-from vllm_br.device.cpu_kernels import gemv
-from vllm_br.layers import weight_layout
-from vllm_br.ops import embedding
+from vllm_br.device.cpu_kernels import bf16_gemm, gemv
 
 # Measured on the 2-core AMX host for SmolLM2-135M's GEMMs with cold weights,
 # 2 threads, by ``.venv/bin/python benchmarks/packed_gemm_rows.py --rows
@@ -250,19 +249,16 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    layout: weight_layout.DeviceLayout | None = None,
+    layout: Any = None,
     matmul_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``linear`` op (``vllm_br.layers.weight_layout.linear``): the packed
-    weight for a plain-layout bf16 GEMM without a float32 weight copy, else
-    the reference."""
-    if (
-        layout is not None
-        or matmul_weight is not None
-        or not _may_pack(x, weight, bias)
-    ):
-        return weight_layout.linear(x, weight, bias, layout, matmul_weight)
-    return _dispatch(x, weight, bias, lm_head=False)
+    """The ``linear`` kernel (``vllm_br.ops.linear.linear``) where weights
+    are packed: the packed weight for a plain-layout bf16 GEMM without a
+    float32 copy; a weight with a copy as :mod:`bf16_gemm` does; the
+    reference for the rest (declined)."""
+    if layout is None and matmul_weight is None and _may_pack(x, weight, bias):
+        return _dispatch(x, weight, bias, lm_head=False)
+    return bf16_gemm.linear(x, weight, bias, layout, matmul_weight)
 
 
 def compute_logits(
@@ -271,8 +267,8 @@ def compute_logits(
     bias: torch.Tensor | None = None,
     matmul_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``compute_logits`` op (``vllm_br.ops.embedding.compute_logits``)
-    on the packed LM head where there is one."""
-    if matmul_weight is not None or not _may_pack(hidden_states, weight, bias):
-        return embedding.compute_logits(hidden_states, weight, bias, matmul_weight)
-    return _dispatch(hidden_states, weight, bias, lm_head=True)
+    """The ``compute_logits`` kernel (``vllm_br.ops.embedding``) on the
+    packed LM head where there is one."""
+    if matmul_weight is None and _may_pack(hidden_states, weight, bias):
+        return _dispatch(hidden_states, weight, bias, lm_head=True)
+    return bf16_gemm.compute_logits(hidden_states, weight, bias, matmul_weight)

@@ -1,5 +1,7 @@
-"""``paged_attention`` and ``reshape_and_cache`` on the cpu backend: the C++
-kernels (``paged_attention.cpp``) where they apply, the references elsewhere.
+"""``paged_attention_decode``, ``paged_attention_prefill`` and
+``reshape_and_cache`` on the cpu backend: the C++ kernels
+(``paged_attention.cpp``). Each declines (returns ``NotImplemented``, having
+written nothing) what it does not handle, and the op's reference runs.
 
 The attention kernel takes every decode and, for causal attention, every
 prefill (chunked prefill and prefix-cache hits included) of a step. Its work
@@ -14,15 +16,12 @@ kept by a graph replay stays valid.
 from __future__ import annotations
 
 import ctypes
-import functools
+from typing import Any
 
 import torch
 
 from vllm_br import envs
 from vllm_br.device.cpu_kernels import load_library
-from vllm_br.ops.paged_attention import PagedAttentionPlan
-from vllm_br.ops.paged_attention import paged_attention as reference_attention
-from vllm_br.ops.paged_attention import reshape_and_cache as reference_cache_write
 
 _DTYPES = (torch.bfloat16, torch.float32)
 #: Query tokens per prefill tile: their rows share each K row the kernel reads.
@@ -68,23 +67,24 @@ class AttentionArgs(ctypes.Structure):
     ]
 
 
-def _tiles(plan: PagedAttentionPlan, prefills: bool) -> torch.Tensor:
+def _tiles(plan: Any, decodes: bool) -> torch.Tensor:
     """int32 ``[num_tiles, 5]``: (request, first token row, query length,
-    offset in the query, tokens) for the decodes and, with ``prefills``, the
-    prefills split into tiles of at most ``TILE_TOKENS`` tokens."""
-    key = ("cpu_kernel_tiles", prefills)
+    offset in the query, tokens) for the plan's decodes, or its prefills
+    split into tiles of at most ``TILE_TOKENS`` tokens. ``plan`` is the
+    step's ``vllm_br.ops.paged_attention.PagedAttentionPlan``; the table is
+    kept in it, so the layers share it."""
+    key = ("cpu_kernel_tiles", decodes)
     cached = plan._cache.get(key)
     if cached is not None:
         return cached
-    parts = []
-    nd = plan.num_decodes
-    if nd:
+    if decodes:
+        nd = plan.num_decodes
         reqs = torch.arange(nd) if plan.decode_reqs is None else plan.decode_reqs
         toks = torch.arange(nd) if plan.decode_tokens is None else plan.decode_tokens
         ones = torch.ones(nd, dtype=torch.long)
         zeros = torch.zeros(nd, dtype=torch.long)
-        parts.append(torch.stack([reqs.cpu(), toks.cpu(), ones, zeros, ones], 1))
-    if prefills and plan.num_prefills:
+        tiles = torch.stack([reqs.cpu(), toks.cpu(), ones, zeros, ones], 1)
+    else:
         qlens = plan.prefill_query_lens.cpu()
         starts = torch.cumsum(qlens, 0) - qlens  # in the packed prefill tokens
         if plan.prefill_tokens is None:
@@ -98,64 +98,72 @@ def _tiles(plan: PagedAttentionPlan, prefills: bool) -> torch.Tensor:
             TILE_TOKENS
         )
         qlen = qlens[req_of_tile]
-        parts.append(
-            torch.stack(
-                [
-                    plan.prefill_reqs.cpu()[req_of_tile],
-                    first_rows[req_of_tile] + offset,
-                    qlen,
-                    offset,
-                    (qlen - offset).clamp(max=TILE_TOKENS),
-                ],
-                1,
-            )
+        tiles = torch.stack(
+            [
+                plan.prefill_reqs.cpu()[req_of_tile],
+                first_rows[req_of_tile] + offset,
+                qlen,
+                offset,
+                (qlen - offset).clamp(max=TILE_TOKENS),
+            ],
+            1,
         )
-    tiles = torch.cat(parts).to(torch.int32).contiguous()
+    tiles = tiles.to(torch.int32).contiguous()
     plan._cache[key] = tiles
     return tiles
 
 
-def attention(
+def _attention(
+    decodes: bool,
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
     num_kv_heads: int,
-    window: int | None,
-    logits_soft_cap: float | None,
-    out: torch.Tensor,
-    plan: PagedAttentionPlan,
     causal: bool | torch.Tensor,
-) -> tuple[bool, bool]:
-    """Attention of the plan's decodes and (causal) prefills into ``out``
-    ``[T, H, Dv]``; returns (decodes done, prefills done)."""
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    output: torch.Tensor,
+    plan: Any,
+) -> bool:
+    """The plan's decodes or (causal) prefills into ``output``; False where
+    the kernel does not take them (nothing written)."""
     dtype = query.dtype
     lib = load_library()
+    # A decode's query is its sequence's last token, so causality does not
+    # change it; prefills are causal-only here.
     if (
         lib is None
+        or (not decodes and causal is not True)
         or dtype not in _DTYPES
         or query.device.type != "cpu"
         or kv_cache.dtype != dtype
-        or out.dtype != dtype
+        or output.dtype != dtype
         or query.stride(-1) != 1
         or kv_cache.stride(-1) != 1
-        or out.stride(-1) != 1
+        or output.stride(-1) != 1
     ):
-        return False, False
-    # A decode's query is its sequence's last token, so causality does not
-    # change it; prefills are causal-only here.
-    prefills = plan.num_prefills > 0 and causal is True
-    tiles = _tiles(plan, prefills)
-    if tiles.numel() == 0:
-        return False, False
+        return False
     num_blocks, _, block_size, content = kv_cache.shape
     _, num_heads, head_size = query.shape
+    out = output.view(output.shape[0], num_heads, content - head_size)
+    tiles = _tiles(plan, decodes)
+    if tiles.numel() == 0:
+        return False
     bt = block_table.to(torch.int32)
     if bt.stride(-1) != 1:
         bt = bt.contiguous()
     sl = seq_lens.to(torch.int32).contiguous()
-
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+    # Prefill tiles take the AMX path where it exists; decodes, with few
+    # query rows per KV head, measured slower there (benchmarks/ANALYSIS.md).
+    amx = (
+        not decodes
+        and envs.VLLM_BR_CPU_ATTENTION_AMX
+        and dtype == torch.bfloat16
+        and lib.vllm_br_attention_has_amx()
+    )
     args = AttentionArgs(
         q=query.data_ptr(),
         q_st=query.stride(0),
@@ -169,49 +177,95 @@ def attention(
         bt_width=bt.shape[1],
         num_blocks=num_blocks,
         seq_lens=sl.data_ptr(),
+        tiles=tiles.data_ptr(),
+        num_tiles=tiles.shape[0],
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
         block_size=block_size,
         scale=scale,
         soft_cap=logits_soft_cap or 0.0,
-        window=window or 0,
+        window=int(window),
         out=out.data_ptr(),
         o_st=out.stride(0),
         o_sh=out.stride(1),
         num_threads=torch.get_num_threads(),
+        use_amx=int(bool(amx)),
         dtype_is_bf16=dtype == torch.bfloat16,
         head_size_v=content - head_size,
         max_tile_tokens=TILE_TOKENS,
     )
+    return bool(lib.vllm_br_paged_attention(ctypes.byref(args)))
 
-    def run(part: torch.Tensor, use_amx: int) -> bool:
-        args.tiles, args.num_tiles, args.use_amx = (
-            part.data_ptr(),
-            part.shape[0],
-            use_amx,
-        )
-        return bool(lib.vllm_br_paged_attention(ctypes.byref(args)))
 
-    # Decode tiles come first in the table. Prefill tiles take the AMX path
-    # where it exists; decodes, with few query rows per KV head, measured
-    # slower there (benchmarks/ANALYSIS.md).
-    nd = plan.num_decodes
-    amx = (
-        prefills
-        and envs.VLLM_BR_CPU_ATTENTION_AMX
-        and dtype == torch.bfloat16
-        and lib.vllm_br_attention_has_amx()
+def decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_kv_heads: int,
+    *,
+    causal: bool | torch.Tensor = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    output: torch.Tensor,
+    plan: Any,
+    use_sdpa: bool = True,
+) -> None:
+    """The ``paged_attention_decode`` kernel (arguments as the op's)."""
+    if not plan.num_decodes:
+        return None
+    ran = _attention(
+        True,
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        scale,
+        num_kv_heads,
+        causal,
+        sliding_window,
+        logits_soft_cap,
+        output,
+        plan,
     )
-    parts = [(tiles[:nd], 0), (tiles[nd:], 1)] if amx and nd else [(tiles, int(amx))]
-    if not all(run(part, use_amx) for part, use_amx in parts):
-        return False, False
-    return plan.num_decodes > 0, prefills
+    return None if ran else NotImplemented
 
 
-paged_attention = functools.update_wrapper(
-    functools.partial(reference_attention, kernel=attention), reference_attention
-)
+def prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_kv_heads: int,
+    *,
+    causal: bool | torch.Tensor = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    output: torch.Tensor,
+    plan: Any,
+    use_sdpa: bool = True,
+) -> None:
+    """The ``paged_attention_prefill`` kernel: causal prefills only."""
+    if not plan.num_prefills:
+        return None
+    ran = _attention(
+        False,
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        scale,
+        num_kv_heads,
+        causal,
+        sliding_window,
+        logits_soft_cap,
+        output,
+        plan,
+    )
+    return None if ran else NotImplemented
 
 
 def reshape_and_cache(
@@ -220,8 +274,8 @@ def reshape_and_cache(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """The reference's cache write (same arguments) as one C++ loop: no host
-    sync, no temporary tensors."""
+    """The ``reshape_and_cache`` kernel: the reference's cache write (same
+    arguments) as one C++ loop, no host sync, no temporary tensors."""
     lib = load_library()
     n = slot_mapping.shape[0]
     if (
@@ -236,7 +290,7 @@ def reshape_and_cache(
         or key.shape[0] < n
         or value.shape[0] < n
     ):
-        return reference_cache_write(key, value, kv_cache, slot_mapping)
+        return NotImplemented
     if n == 0 or kv_cache.numel() == 0:
         return None
     num_blocks, num_kv_heads, block_size, content = kv_cache.shape

@@ -1,7 +1,8 @@
-"""bf16 GEMMs that may multiply a float32 copy of the weight, chosen per call.
+"""bf16 GEMMs that may multiply a float32 copy of the weight, chosen per call
+(the cpu backend on hosts without AVX512-BF16 or AMX).
 
-Where the device multiplies bfloat16 slowly, ``vllm_br.layers.matmul_weights``
-gives each GEMM weight a float32 copy. The copy is the fast path for GEMMs of
+Where the host multiplies bfloat16 slowly, ``vllm_br.layers.matmul_weights``
+gives each GEMM weight a float32 copy (``CpuBackend.matmul_dtype``). The copy is the fast path for GEMMs of
 many rows (torch's generic bf16 loop runs ~8 GFLOP/s on an AVX2 host, float32
 ~157), but a GEMM of a few rows is bound by reading the weight, and the copy
 is twice the bytes: there the bf16 weight is faster. :func:`use_fp32_copy` is
@@ -24,12 +25,12 @@ compile cache key does not include plugin variables, so a graph compiled under
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from vllm_br import envs
-from vllm_br.ops.registry import register_op
 
 # Native bf16 beats the float32 copy up to this many rows per torch thread
 # (linear layers; the LM head's own constant below). Measured on the 2-core
@@ -129,10 +130,28 @@ def gemm(
     return _bf16_gemm(x, weight, matmul_weight, bias, lm_head)
 
 
-@register_op("prepare_gemm_weight")
-def prepare_gemm_weight(weight: torch.Tensor, lm_head: bool = False) -> int:
-    """Prepare a GEMM weight (``[out, in]``) once after loading for the
-    device's ``linear`` / ``compute_logits`` kernels (e.g. pack it into the
-    matmul's blocked format, kept beside the weight); returns the bytes added.
-    The reference kernels multiply the weight as it is: nothing to do."""
-    return 0
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    layout: Any = None,
+    matmul_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``linear`` kernel for a weight with a float32 copy: :func:`gemm`
+    chooses per call. Declines everything else (the reference runs): the cpu
+    backend keeps weights in the plain layout."""
+    if layout is not None or matmul_weight is None:
+        return NotImplemented
+    return gemm(x, weight, matmul_weight, bias)
+
+
+def compute_logits(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    matmul_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``compute_logits`` kernel for an LM head with a float32 copy."""
+    if matmul_weight is None:
+        return NotImplemented
+    return gemm(hidden_states, weight, matmul_weight, bias, lm_head=True)
