@@ -475,6 +475,7 @@ def test_linear_op_is_unchanged_by_numa_layout(dtype, sizes, with_bias):
 
 class _FakeSupaBackend:
     name = "supa"
+    numa_weight_layout = True  # a card's capability (device/base.py)
 
     def __init__(self, dies):
         self.dies = dies

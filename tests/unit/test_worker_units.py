@@ -167,6 +167,7 @@ def test_registered_over_vllm_triton_kernel():
 # ---- KV-cache sizing ----------------------------------------------------------
 class _Backend:
     name = "cpu"
+    memory_setting = "VLLM_BR_CPU_MEMORY_GIB"  # the cpu backend's capability
 
     def __init__(self, free: int, total: int, peak: int) -> None:
         self.free, self.total, self.peak = free, total, peak
