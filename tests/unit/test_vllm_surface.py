@@ -72,8 +72,22 @@ def _plugin_classes():
                 yield cls
 
 
-# Set on every class by Python itself (abc, typing), not by vLLM.
-_PYTHON_MACHINERY = {"_abc_impl", "_is_protocol", "_is_runtime_protocol"}
+def _defined_in_body(cls) -> set[str]:
+    """The names a class's own source defines (methods, class attributes),
+    not those vLLM code assigns on it at run time (e.g. a cached pool)."""
+    import ast
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    names = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
 
 
 def _private_overrides():
@@ -81,10 +95,10 @@ def _private_overrides():
     private, non-dunder name a plugin class defines over a vLLM base."""
     for cls in _plugin_classes():
         vllm_bases = [b for b in cls.__mro__[1:] if b.__module__.startswith("vllm.")]
-        for name in vars(cls):
+        if not vllm_bases:
+            continue
+        for name in _defined_in_body(cls):
             if not name.startswith("_") or name.startswith("__"):
-                continue
-            if name in _PYTHON_MACHINERY:
                 continue
             for base in vllm_bases:
                 if name in vars(base) or name in getattr(base, "__annotations__", {}):
