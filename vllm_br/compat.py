@@ -178,3 +178,11 @@ VLLM_PRIVATE_NAMES: dict[str, str] = {
         "patched (ledger: ray-executor-supa-devices)"
     ),
 }
+
+# vLLM 0.33 warns once per weight when a checkpoint's dtype differs from the
+# parameter's (vllm/model_executor/models/utils.py:333); the worker turns the
+# float32 -> model dtype ones into one line (worker/weight_casts.py).
+WEIGHT_DTYPE_WARNING_LOGGER = "vllm.model_executor.models.utils"
+WEIGHT_DTYPE_WARNING = (
+    "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+)

@@ -8,7 +8,9 @@ identical, or vLLM's ``check_logprobs_close`` rule where they part.
 
 from __future__ import annotations
 
+import logging
 import os
+from contextlib import contextmanager
 
 import pytest
 
@@ -22,12 +24,27 @@ from tests.fixtures.engine import (
 )
 from tests.fixtures.hf_reference import hf_greedy, hf_greedy_logprobs
 from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
+from vllm_br import compat
 
 pytestmark = pytest.mark.e2e
 
 LENGTHS = [1, 127, 128, 129, 255, 256, 257, 600, 7, 40]
 MAX_TOKENS = 12
 NUM_LOGPROBS = 5
+
+
+@contextmanager
+def captured_vllm_logs():
+    """The records vLLM's and the plugin's loggers (all under "vllm") emit."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    root = logging.getLogger("vllm")
+    root.addHandler(handler)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
 
 
 def _greedy(max_tokens: int = MAX_TOKENS, logprobs: int | None = None):
@@ -138,11 +155,24 @@ def test_bfloat16_follows_check_logprobs_close(model):
             model_dir, prompts, MAX_TOKENS, NUM_LOGPROBS, "bfloat16"
         )
     ]
-    with llm_engine(model_dir, dtype="bfloat16") as llm:
-        tested = vllm_logprobs(_generate(llm, prompts, _greedy(logprobs=NUM_LOGPROBS)))
+    with captured_vllm_logs() as records:
+        with llm_engine(model_dir, dtype="bfloat16") as llm:
+            tested = vllm_logprobs(
+                _generate(llm, prompts, _greedy(logprobs=NUM_LOGPROBS))
+            )
     parted = check_logprobs_close(reference, tested)
     # Most prompts agree over every step in bf16 as well.
     assert sum(p is None for p in parted) >= len(prompts) // 2, parted
+    # The folder stores float32 weights: one summary line at load, not one
+    # vLLM warning per weight.
+    per_weight = [r for r in records if r.msg == compat.WEIGHT_DTYPE_WARNING]
+    assert not per_weight, per_weight[:3]
+    summary = [
+        r.getMessage()
+        for r in records
+        if "weights stored in float32 are served in bfloat16" in r.getMessage()
+    ]
+    assert len(summary) == 1, summary
 
 
 def test_seeded_sampling_repeats(tiny_llama_dir):

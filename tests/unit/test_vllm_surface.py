@@ -12,6 +12,7 @@ import re
 import pytest
 
 import vllm_br
+from vllm_br import compat
 from vllm_br.compat import VLLM_PRIVATE_NAMES
 
 
@@ -122,3 +123,17 @@ def test_private_overrides_are_listed():
         ("SUPAModelRunner", "_sync_device"),
         ("SUPAWorker", "_make_model_runner"),
     }
+
+
+def test_vllm_still_logs_the_weight_dtype_warning_the_worker_summarizes():
+    """worker/weight_casts.py matches vLLM's per-weight warning by its exact
+    format string, logged by the module named in compat."""
+    import ast
+
+    module = importlib.import_module(compat.WEIGHT_DTYPE_WARNING_LOGGER)
+    strings = {
+        node.value
+        for node in ast.walk(ast.parse(inspect.getsource(module)))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    assert compat.WEIGHT_DTYPE_WARNING in strings

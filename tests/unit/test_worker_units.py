@@ -292,3 +292,52 @@ def test_init_device_freezes_the_imported_heap_first(worker_mod, monkeypatch):
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()  # the test process's heap as it was
+
+
+# ---- float32 weights served in bfloat16: one line, not one per weight ------
+def test_narrowing_weight_casts_become_one_line():
+    import logging
+
+    from vllm.model_executor.models import utils as vllm_model_utils
+
+    from vllm_br.worker.weight_casts import summarized_weight_casts
+
+    passed: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = passed.append
+    vllm_logger = logging.getLogger(compat.WEIGHT_DTYPE_WARNING_LOGGER)
+    assert vllm_model_utils.logger is vllm_logger
+    plugin_logger = logging.getLogger("test.weight_casts")
+    plugin_logger.setLevel(logging.INFO)
+    summaries: list[logging.LogRecord] = []
+    plugin_handler = logging.Handler(logging.INFO)
+    plugin_handler.emit = summaries.append
+    plugin_logger.addHandler(plugin_handler)
+    vllm_logger.addHandler(handler)
+    try:
+        with summarized_weight_casts(plugin_logger) as casts:
+            for name in ("a.weight", "b.weight", "c.weight"):
+                vllm_logger.warning(
+                    compat.WEIGHT_DTYPE_WARNING, name, torch.float32, torch.bfloat16
+                )
+            # Casts that lose more than rounding, and other messages, still warn.
+            vllm_logger.warning(
+                compat.WEIGHT_DTYPE_WARNING, "q.weight", torch.int8, torch.bfloat16
+            )
+            vllm_logger.warning("something else %s", "x")
+        vllm_logger.warning(
+            compat.WEIGHT_DTYPE_WARNING, "later.weight", torch.float32, torch.bfloat16
+        )
+    finally:
+        vllm_logger.removeHandler(handler)
+        plugin_logger.removeHandler(plugin_handler)
+    assert casts.casts == {(torch.float32, torch.bfloat16): 3}
+    assert [r.args[0] for r in passed if r.msg == compat.WEIGHT_DTYPE_WARNING] == [
+        "q.weight",
+        "later.weight",  # the filter is gone after loading
+    ]
+    assert any(r.msg == "something else %s" for r in passed)
+    assert [r.getMessage() for r in summaries] == [
+        "3 weights stored in float32 are served in bfloat16, the model's dtype; "
+        "pass --dtype float32 to serve them as stored."
+    ]

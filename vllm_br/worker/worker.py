@@ -28,6 +28,7 @@ from vllm_br.errors import SUPAConfigError
 from vllm_br.logger import init_logger
 from vllm_br.ops.registry import resolve_all
 from vllm_br.worker.model_runner import SUPAModelRunner, install_stream_aliases
+from vllm_br.worker.weight_casts import summarized_weight_casts
 
 logger = init_logger(__name__)
 
@@ -104,7 +105,8 @@ class SUPAWorker(Worker):
         self._init_workspace_and_model_runner()
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        super().load_model(load_dummy_weights=load_dummy_weights)
+        with summarized_weight_casts(logger):
+            super().load_model(load_dummy_weights=load_dummy_weights)
         # vLLM drops torch to one intra-op thread for serving, since on a card
         # host ops only schedule work. A backend may want more (in emulation
         # the host *is* the device), unless the user set OMP_NUM_THREADS.
