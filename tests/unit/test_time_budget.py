@@ -46,7 +46,9 @@ def test_over_budget_names_what_grew_most(xeon):
     # to 120, 'new' did not exist.
     timer = _timer(520, {"old": 120.0, "same": 25.0, "new": 30.0, "tiny": 0.5})
     lines, over = timer.report("slow", whole=True)
-    assert over and "OVER BUDGET" in lines[1]
+    assert over and "OVER BUDGET" in lines[1] and "not enforced" in lines[1]
+    enforced, over = timer.report("slow", whole=True, enforce=True)
+    assert over and "not enforced" not in enforced[1]
     grown = lines[lines.index(next(x for x in lines if x.startswith("grown"))) + 1 :]
     assert [line.split()[-1] for line in grown] == ["old", "new", "same"]
     assert grown[0].split()[0] == "+140.0"  # 240 - 100 slowest-host seconds
