@@ -17,8 +17,12 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "serve.log"
+    # Eager: the server's API is the point here; the cpu default's compiled
+    # path (~35 s of start-up with cold caches) is checked against eager in
+    # tests/e2e/test_graph_modes.py.
     args = ["--served-model-name", MODEL_NAME,
-            "--max-model-len", "2048", "--max-num-seqs", "8"]  # fmt: skip
+            "--max-model-len", "2048", "--max-num-seqs", "8",
+            "--enforce-eager"]  # fmt: skip
     with vllm_server(smollm2_dir, args, log_path) as base:
         yield base, log_path
 
