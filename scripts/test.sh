@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Set up if needed, then run the default test suite: everything but the
-# `slow` tier (about 15 min on a 2-core AMD EPYC host on 2026-12-04, about
-# 25 min there before the worker froze its heap during start-up). Extra
-# arguments go to pytest instead, e.g. scripts/test.sh tests/unit -k envs,
-# or scripts/test.sh -m slow.
+# `slow` tier. Every run ends with its time and ten slowest tests against
+# the tier's budget (tests/README.md). Extra arguments go to pytest instead,
+# e.g. scripts/test.sh tests/unit -k envs, or scripts/test.sh -m slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
