@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import re
 import time
 
@@ -72,24 +73,37 @@ def test_mem_get_info(backend, monkeypatch):
     assert backend.get_device_properties().total_memory == host
 
 
+def _fresh_tensor(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """A tensor on pages the process never had, every page touched. A plain
+    torch allocation may reuse freed heap memory that is still resident (the
+    cpu backend keeps freed memory mapped, and the engines of earlier tests
+    in this process leave plenty), so the resident size would not grow."""
+    buf = mmap.mmap(-1, nbytes)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    t.fill_(1)
+    return t, buf
+
+
 def test_memory_allocated_tracks_a_tensor(backend):
     before = backend.memory_allocated()
-    t = torch.ones(200 * MB, dtype=torch.uint8)  # ones() touches every page
+    t, buf = _fresh_tensor(200 * MB)
     grown = backend.memory_allocated() - before
     assert 150 * MB <= grown <= 260 * MB, grown / MB
     stats = backend.memory_stats()
     assert stats["allocated_bytes.all.current"] >= before + 150 * MB
     del t
+    buf.close()
 
 
 def test_max_memory_allocated_after_reset(backend):
     backend.reset_peak_memory_stats()
     base = backend.memory_allocated()
     assert backend.max_memory_allocated() >= base - 16 * MB
-    t = torch.ones(200 * MB, dtype=torch.uint8)
+    t, buf = _fresh_tensor(200 * MB)
     assert backend.max_memory_allocated() >= base + 150 * MB
     assert backend.max_memory_allocated() >= backend.memory_allocated() - 16 * MB
     del t
+    buf.close()
 
 
 def test_events_elapsed_time(backend):
