@@ -189,7 +189,7 @@ def test_decode_gemm_stream_tiny(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(BENCH / "decode_gemm_stream.py"),
+            str(BENCH / "kernels" / "decode_gemm_stream.py"),
             "--shapes",
             "o_proj,down_proj",
             "--layers",

@@ -100,7 +100,7 @@ def test_use_fp32_copy(rows, mode, threads, lm_head, expect):
 
 
 def test_threshold_constants_are_the_measured_ones():
-    # benchmarks/results/bf16_gemm_rows.json (benchmarks/bf16_gemm_rows.py)
+    # benchmarks/results/bf16_gemm_rows.json (benchmarks/kernels/bf16_gemm_rows.py)
     assert matmul.NATIVE_ROWS_PER_THREAD == 2
     assert matmul.LM_HEAD_NATIVE_ROWS_PER_THREAD == 3
     assert matmul.MEASURED_THREADS == 2

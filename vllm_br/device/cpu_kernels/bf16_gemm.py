@@ -35,7 +35,7 @@ from vllm_br import envs
 # Native bf16 beats the float32 copy up to this many rows per torch thread
 # (linear layers; the LM head's own constant below). Measured on the 2-core
 # AVX2 host for SmolLM2-135M's GEMMs with cold weights, by
-# ``.venv/bin/python benchmarks/bf16_gemm_rows.py --json-out
+# ``.venv/bin/python benchmarks/kernels/bf16_gemm_rows.py --json-out
 # benchmarks/results/bf16_gemm_rows.json``: native time grows with rows and
 # shrinks with threads (compute-bound), the copy's barely moves (bound by
 # reading the weight). Native/fp32 time, qkv / o / gate_up / down: 0.4-0.5 at

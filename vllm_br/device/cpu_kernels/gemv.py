@@ -5,7 +5,7 @@ the GEMM is a pass over the weight and its speed is memory bandwidth. The C++
 kernel streams each thread's share of weight rows front to back with
 prefetching, and beats oneDNN's packed weights (``packed_linear.py``) at one
 and two rows on every SmolLM2 GEMM shape; from four rows the packed kernel
-catches up (``benchmarks/gemv_rows.py``), so it serves rows up to
+catches up (``benchmarks/kernels/gemv_rows.py``), so it serves rows up to
 :data:`MAX_ROWS`. Built only for hosts with AVX512-BF16; float32 sums and one
 rounding to bf16, like oneDNN (results agree to summation order).
 """
@@ -18,7 +18,7 @@ import torch
 
 from vllm_br.device.cpu_kernels import load_library
 
-# Measured by ``benchmarks/gemv_rows.py --json-out
+# Measured by ``benchmarks/kernels/gemv_rows.py --json-out
 # benchmarks/results/gemv_rows.json`` on the 2-core AMX host, cold weights, 2
 # threads; gemv / packed time over SmolLM2's five GEMM shapes: 1 row
 # 0.72-0.88, 2 rows 0.81-0.94, 4 rows 0.92-1.17 (gate_up and the LM head lose).

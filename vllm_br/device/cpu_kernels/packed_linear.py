@@ -9,7 +9,7 @@ CPU backend does with ``onednn_mm``; here torch's
 small prefills; for many rows oneDNN's plain path catches up and at some
 shapes overtakes it, so the packed weight is used up to :data:`MAX_ROWS`
 rows (LM head: :data:`LM_HEAD_MAX_ROWS`), measured by
-``benchmarks/packed_gemm_rows.py``. float32 weights are not packed: a
+``benchmarks/kernels/packed_gemm_rows.py``. float32 weights are not packed: a
 packed float32 GEMM measured 1.1-1.4x slower than ``F.linear`` (MKL) at 1 row
 for every shape, and mixed from 8 to 256 rows (``--dtype float32``). Both compute the same dot products with
 float32 accumulation and one rounding to bf16 (results agree to summation
@@ -50,7 +50,7 @@ from vllm_br.device import cpu_isa
 from vllm_br.device.cpu_kernels import bf16_gemm, gemv
 
 # Measured on the 2-core AMX host for SmolLM2-135M's GEMMs with cold weights,
-# 2 threads, by ``.venv/bin/python benchmarks/packed_gemm_rows.py --rows
+# 2 threads, by ``.venv/bin/python benchmarks/kernels/packed_gemm_rows.py --rows
 # 1,8,64,128,256,384,512,1024 --hints 1,64,128,256,none --calls 15 --json-out
 # benchmarks/results/packed_gemm_rows.json``. Packed (hint 128) / plain
 # F.linear time, median of 15 calls:

