@@ -17,7 +17,7 @@ Reported: the median and min-max over ``--repeats`` rounds, each
 configuration's ratio to eager, whether its greedy tokens equal eager's, and
 the configuration this run would choose as the default (the fastest by the
 geometric mean of its ratios among those not slower than eager at any batch
-size), next to the one ``vllm_br/compilation/defaults.py`` names.
+size), next to the cpu backend's ``default_graph_modes``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "FULL": {"mode": "VLLM_COMPILE", "cudagraph_mode": "FULL"},
     "FULL_DECODE_ONLY": {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY"},
 }
-# The same names as vllm_br/compilation/defaults.py's (mode, cudagraph mode).
+# The same names as DeviceBackend.default_graph_modes (mode, cudagraph mode).
 AS_DEFAULT = {
     "eager": ("NONE", "NONE"),
     "compile": ("VLLM_COMPILE", "NONE"),
@@ -170,7 +170,7 @@ def main() -> None:
 
 
 def _report(args, names, rates, tokens) -> dict[str, Any]:
-    from vllm_br.compilation.defaults import GRAPH_DEFAULTS
+    from vllm_br.device.cpu import CpuBackend
 
     med = {n: {b: statistics.median(rates[n][b]) for b in args.batches} for n in names}
     ratio = {n: {b: med[n][b] / med["eager"][b] for b in args.batches} for n in names}
@@ -201,11 +201,11 @@ def _report(args, names, rates, tokens) -> dict[str, Any]:
             statistics.fmean(math.log(ratio[n][b]) for b in args.batches)
         ),
     )
-    configured = GRAPH_DEFAULTS["cpu"]
+    configured = CpuBackend.default_graph_modes
     print(
         f"\nfastest not slower than eager at any batch: {chosen} "
         f"(mode, cudagraph_mode = {AS_DEFAULT[chosen]}); "
-        f"defaults.py says cpu = {configured}"
+        f"CpuBackend.default_graph_modes = {configured}"
         + (" (agrees)" if tuple(configured) == AS_DEFAULT[chosen] else " (DISAGREES)")
     )
     return dict(

@@ -207,7 +207,7 @@ class SUPAPlatform(Platform):
         where the user chose none (vLLM resolves its own defaults after)."""
         from vllm_br.compilation.defaults import apply_graph_defaults
 
-        apply_graph_defaults(vllm_config, cls.backend_name)
+        apply_graph_defaults(vllm_config, _BACKEND.default_graph_modes)
 
     @classmethod
     def support_static_graph_mode(cls) -> bool:

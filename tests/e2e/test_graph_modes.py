@@ -46,7 +46,7 @@ GRAPHS = dict(ENGINE, own_process=True)
 # mode -> (compilation mode, cudagraph mode asked for, mode the runner
 # serves, runtime modes that hold captured graphs)
 MODES = {
-    # The cpu backend's default (vllm_br/compilation/defaults.py): inductor
+    # The cpu backend's default (CpuBackend.default_graph_modes): inductor
     # pieces, no graphs.
     "compile": ("VLLM_COMPILE", "NONE", "NONE", set()),
     "PIECEWISE": ("VLLM_COMPILE", "PIECEWISE", "PIECEWISE", {"PIECEWISE"}),

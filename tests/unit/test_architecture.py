@@ -187,3 +187,5 @@ def test_backends_differ_by_capabilities():
     assert cpu.memory_setting == "VLLM_BR_CPU_MEMORY_GIB"
     assert supa.memory_setting is None
     assert "cpp.dynamic_threads" in CpuBackend().inductor_config()
+    assert cpu.default_graph_modes == ("VLLM_COMPILE", "NONE")
+    assert supa.default_graph_modes == ("VLLM_COMPILE", "FULL_AND_PIECEWISE")

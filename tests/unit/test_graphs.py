@@ -29,7 +29,11 @@ from vllm_br.compilation import defaults  # noqa: E402
 from vllm_br.compilation.compiler import SUPACompiler  # noqa: E402
 from vllm_br.compilation.graph_wrapper import SUPAGraphWrapper  # noqa: E402
 from vllm_br.compilation.passes import SUPAPassManager  # noqa: E402
-from vllm_br.device.cpu import CPU_INDUCTOR_CONFIG, EmulatedGraphPool  # noqa: E402
+from vllm_br.device.cpu import (  # noqa: E402
+    CPU_INDUCTOR_CONFIG,
+    CpuBackend,
+    EmulatedGraphPool,
+)
 from vllm_br.errors import SUPAConfigError  # noqa: E402
 from vllm_br.ops.paged_attention import (  # noqa: E402
     make_paged_attention_plan,
@@ -66,13 +70,13 @@ def test_platform_names_the_supa_graph_wrapper_compiler_and_passes():
 
 def test_cpu_default_is_the_one_defaults_names(tiny_llama_dir):
     cfg = _engine_config(tiny_llama_dir)
-    mode_name, graph_name = defaults.GRAPH_DEFAULTS["cpu"]
+    mode_name, graph_name = CpuBackend.default_graph_modes
     assert cfg.compilation_config.mode == CompilationMode[mode_name]
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode[graph_name]
 
 
 def test_cpu_default_is_the_committed_measurement():
-    """defaults.py names what benchmarks/graph_modes.py chose in the run whose
+    """CpuBackend.default_graph_modes names what benchmarks/graph_modes.py chose in the run whose
     results are committed (docs/graphs.md quotes it)."""
     import json
     import sys
@@ -88,27 +92,30 @@ def test_cpu_default_is_the_committed_measurement():
     assert sorted(map(int, result["median"]["eager"])) == [1, 8, 32]
     chosen = result["chosen"]
     assert all(r >= 1.0 for r in result["ratio_to_eager"][chosen].values())
-    assert defaults.GRAPH_DEFAULTS["cpu"] == graph_modes.AS_DEFAULT[chosen]
+    assert CpuBackend.default_graph_modes == graph_modes.AS_DEFAULT[chosen]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "supa"])
 def test_defaults_fill_only_what_the_user_left_unset(backend):
+    from vllm_br.device.supa import SupaBackend
+
+    modes = {"cpu": CpuBackend, "supa": SupaBackend}[backend].default_graph_modes
     from vllm.config.vllm import OptimizationLevel
 
     def fake(mode=None, graph=None, level=OptimizationLevel.O2):
         cc = SimpleNamespace(mode=mode, cudagraph_mode=graph)
         return SimpleNamespace(compilation_config=cc, optimization_level=level)
 
-    mode_name, graph_name = defaults.GRAPH_DEFAULTS[backend]
+    mode_name, graph_name = modes
     unset = fake()
-    defaults.apply_graph_defaults(unset, backend)
+    defaults.apply_graph_defaults(unset, modes)
     assert unset.compilation_config.mode == CompilationMode[mode_name]
     assert unset.compilation_config.cudagraph_mode == CUDAGraphMode[graph_name]
     chosen = fake(CompilationMode.VLLM_COMPILE, CUDAGraphMode.PIECEWISE)
-    defaults.apply_graph_defaults(chosen, backend)
+    defaults.apply_graph_defaults(chosen, modes)
     assert chosen.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
     leveled = fake(level=OptimizationLevel.O3)
-    defaults.apply_graph_defaults(leveled, backend)
+    defaults.apply_graph_defaults(leveled, modes)
     assert leveled.compilation_config.mode is None  # vLLM's -O3 resolves it
 
 

@@ -165,7 +165,7 @@ def test_check_and_update_config_policies_and_idempotent(tiny_llama_dir):
     cfg = _engine_config(tiny_llama_dir)
     assert cfg.parallel_config.worker_cls == "vllm_br.worker.worker.SUPAWorker"
     assert cfg.cache_config.block_size == 128
-    # The cpu backend's measured default (vllm_br/compilation/defaults.py).
+    # The cpu backend's measured default (CpuBackend.default_graph_modes).
     assert cfg.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert cfg.compilation_config.mode == CompilationMode.VLLM_COMPILE
     assert "all" in cfg.compilation_config.custom_ops

@@ -69,6 +69,10 @@ class DeviceBackend(ABC):
     uses_sccl: bool = False
     #: the setting that sizes the device's memory, where the user sets it
     memory_setting: str | None = None
+    #: (compilation mode, cudagraph mode) names used where the user chose
+    #: none: the fastest correct configuration measured on this device
+    #: (vllm_br/compilation/defaults.py applies them)
+    default_graph_modes: tuple[str, str] = ("VLLM_COMPILE", "FULL_AND_PIECEWISE")
 
     def worker_threads(self, workers_on_host: int) -> int | None:
         """Intra-op threads a worker should run with, or None for vLLM's
