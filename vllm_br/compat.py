@@ -186,3 +186,9 @@ WEIGHT_DTYPE_WARNING_LOGGER = "vllm.model_executor.models.utils"
 WEIGHT_DTYPE_WARNING = (
     "Attempted to load weight %s with dtype %s into parameter with dtype %s"
 )
+
+# torch 2.13 warns when anything reads an attribute of the deprecated
+# torch.distributed.reduce_op (torch/distributed/distributed_c10d.py:551);
+# vLLM's register_kernels scan does (worker/kernel_overrides.py). A regex
+# for warnings.filterwarnings.
+TORCH_REDUCE_OP_WARNING = r"`torch\.distributed\.reduce_op` is deprecated"

@@ -281,6 +281,17 @@ def _check_engine_version() -> None:
             "VLLM_USE_V1=0 asks for the V0 engine, which vLLM 0.33 no longer has; "
             "unset VLLM_USE_V1 to use the V1 engine."
         )
+    # SUPAWorker serves with vLLM's V1 model runner (SUPAModelRunner); Model
+    # Runner V2 is written in Triton. Saying so up front spares every process
+    # vLLM's "Model Runner V2 requires Triton" warning (vllm/config/vllm.py:753);
+    # spawned engine processes inherit it.
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip()
+    if v2 not in ("", "0"):
+        raise SUPAConfigError(
+            f"VLLM_USE_V2_MODEL_RUNNER={v2} asks for vLLM's Model Runner V2, which "
+            "SUPA does not have; unset it to serve with SUPA's V1 model runner."
+        )
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
 def _apply_parallel_policy(vllm_config: VllmConfig) -> None:

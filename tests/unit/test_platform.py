@@ -63,6 +63,7 @@ def _clean_env(monkeypatch):
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_BR_DEVICE", "cpu")
     monkeypatch.delenv("VLLM_USE_V1", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
 
 
@@ -197,6 +198,7 @@ def test_float32_explicit_is_accepted(tiny_llama_dir):
         ({"block_size": 16}, {}, ["--block-size 16", "128"]),
         ({"dtype": "float16"}, {}, ["--dtype float16"]),
         ({}, {"VLLM_USE_V1": "0"}, ["VLLM_USE_V1"]),
+        ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, ["VLLM_USE_V2_MODEL_RUNNER=1"]),
         ({}, {"VLLM_BR_WEIGHT_TYPE": "ROW"}, ["VLLM_BR_WEIGHT_TYPE", "'ROW'"]),
         ({}, {"VLLM_BR_CPU_NUM_DEVICES": "0"}, ["VLLM_BR_CPU_NUM_DEVICES"]),
         ({"kv_cache_dtype": "fp8"}, {}, ["--kv-cache-dtype fp8"]),
@@ -206,6 +208,7 @@ def test_float32_explicit_is_accepted(tiny_llama_dir):
         "block-size-16",
         "dtype-float16",
         "v0",
+        "v2-runner",
         "bad-env",
         "bad-env-int",
         "kv-fp8",
@@ -225,6 +228,17 @@ def test_config_errors_are_one_sentence(
     assert _is_one_sentence(msg), msg
     for name in names:
         assert name in msg, msg
+
+
+def test_v1_model_runner_is_chosen_not_fallen_back_to(tiny_llama_dir):
+    """SUPA serves with the V1 model runner: the platform says so for every
+    process it starts (VLLM_USE_V2_MODEL_RUNNER=0), so vLLM takes its choice
+    instead of falling back with "Model Runner V2 requires Triton"."""
+    import os
+
+    cfg = _engine_config(tiny_llama_dir)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert cfg.use_v2_model_runner is False
 
 
 def test_block_size_error_directly_on_config(tiny_llama_dir):

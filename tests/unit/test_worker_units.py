@@ -134,15 +134,22 @@ def test_context_parallelism_is_refused():
         )
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # vLLM scans sys.modules
-def test_registered_over_vllm_triton_kernel():
+def test_registered_over_vllm_triton_kernel(monkeypatch):
+    import warnings
+
     from vllm.triton_utils import dispatcher
     from vllm.v1.worker import block_table as bt
 
-    from vllm_br.worker.kernel_overrides import register_kernel_overrides
+    from vllm_br.worker import kernel_overrides
 
-    register_kernel_overrides()
-    register_kernel_overrides()  # idempotent
+    # Registering scans every module (torch.distributed's deprecated
+    # reduce_op included) without a warning reaching the user.
+    monkeypatch.setattr(kernel_overrides, "_installed", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kernel_overrides.register_kernel_overrides()
+    assert [str(w.message) for w in caught] == []
+    kernel_overrides.register_kernel_overrides()  # idempotent
     name = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
     assert compat.SLOT_MAPPING_KERNEL == name
     assert name in dispatcher._registry

@@ -4,6 +4,8 @@ step (SUPA has no Triton), installed through vLLM's official
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from vllm_br import compat
@@ -53,6 +55,13 @@ def register_kernel_overrides() -> None:
     from vllm.triton_utils.dispatcher import register_kernels
 
     # Registered even where a Triton package is installed: it targets another
-    # device, never SUPA.
-    register_kernels({compat.SLOT_MAPPING_KERNEL: compute_slot_mapping})
+    # device, never SUPA. register_kernels scans every module's attributes
+    # with hasattr (vllm/triton_utils/dispatcher.py:137), which touches
+    # torch.distributed's deprecated ``reduce_op`` and makes torch warn about
+    # an API no one here uses; that one warning is silenced, nothing else.
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=compat.TORCH_REDUCE_OP_WARNING, category=FutureWarning
+        )
+        register_kernels({compat.SLOT_MAPPING_KERNEL: compute_slot_mapping})
     _installed = True
