@@ -61,6 +61,8 @@ def rpc_facts(worker: Any) -> dict[str, Any]:
     import torch
     from vllm.platforms import current_platform
 
+    import vllm_br
+
     w = _unwrap(worker)
     model = w.model_runner.get_model()
     n_params = sum(p.numel() for p in model.parameters())
@@ -77,6 +79,8 @@ def rpc_facts(worker: Any) -> dict[str, Any]:
         torch_threads=torch.get_num_threads(),
         block_size=w.cache_config.block_size,
         pid=os.getpid(),
+        # Which build served: A/B runs put a worktree first on PYTHONPATH.
+        plugin_dir=os.path.dirname(vllm_br.__file__),
     )
 
 

@@ -186,6 +186,13 @@ class SUPAPlatform(Platform):
 
     # ---- configuration -----------------------------------------------------
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Before vLLM parses arguments or builds a config: the V1 model
+        runner, unless the user asked otherwise (check_and_update_config
+        then refuses it in one sentence)."""
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         """Apply SUPA policies; idempotent (vLLM calls it on every VllmConfig)."""
         envs.validate_all()
@@ -281,10 +288,15 @@ def _check_engine_version() -> None:
             "VLLM_USE_V1=0 asks for the V0 engine, which vLLM 0.33 no longer has; "
             "unset VLLM_USE_V1 to use the V1 engine."
         )
-    # SUPAWorker serves with vLLM's V1 model runner (SUPAModelRunner); Model
-    # Runner V2 is written in Triton. Saying so up front spares every process
-    # vLLM's "Model Runner V2 requires Triton" warning (vllm/config/vllm.py:753);
-    # spawned engine processes inherit it.
+    _use_v1_model_runner()
+
+
+def _use_v1_model_runner() -> None:
+    """SUPAWorker serves with vLLM's V1 model runner (SUPAModelRunner); Model
+    Runner V2 is written in Triton. Saying so before vLLM builds its config
+    (pre_register_and_update) spares every process vLLM's "Model Runner V2
+    requires Triton" warning (vllm/config/vllm.py:753); spawned engine
+    processes inherit it."""
     v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip()
     if v2 not in ("", "0"):
         raise SUPAConfigError(

@@ -89,3 +89,28 @@ def test_tier_of(markexpr, args, keyword, expect):
         invocation_params=SimpleNamespace(dir=root),
     )
     assert tb.tier_of(config, root / "tests") == expect
+
+
+def test_ci_enforces_the_budget_of_both_tiers():
+    """CI (.ci/run) runs the README's command, whose default run is the
+    whole default tier with --enforce-budget, then the whole slow tier with
+    it; both select what tier_of counts as a whole tier."""
+    import shlex
+
+    root = Path(tb.__file__).resolve().parents[2]
+    script = (root / "scripts" / "test.sh").read_text()
+    default_args = next(
+        line.split("set --", 1)[1]
+        for line in script.splitlines()
+        if line.strip().startswith("set --")
+    )
+    ci = [
+        shlex.split(line)
+        for line in (root / ".ci" / "run").read_text().splitlines()
+        if line.startswith("bash scripts/test.sh")
+    ]
+    assert ci[0] == ["bash", "scripts/test.sh"]
+    runs = [shlex.split(default_args), ci[1][2:]]
+    for args, tier in zip(runs, ("default", "slow"), strict=True):
+        assert "--enforce-budget" in args, args
+        assert args[0] == "tests" and tb.TIERS[args[args.index("-m") + 1]] == tier
