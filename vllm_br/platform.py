@@ -293,10 +293,11 @@ def _check_engine_version() -> None:
 
 def _use_v1_model_runner() -> None:
     """SUPAWorker serves with vLLM's V1 model runner (SUPAModelRunner); Model
-    Runner V2 is written in Triton. Saying so before vLLM builds its config
-    (pre_register_and_update) spares every process vLLM's "Model Runner V2
-    requires Triton" warning (vllm/config/vllm.py:753); spawned engine
-    processes inherit it."""
+    Runner V2 is written in Triton. A user's request for V2 stops here; else
+    V1 is set for this process and the engine processes it spawns, which
+    spares them vLLM's "Model Runner V2 requires Triton" warning
+    (vllm/config/vllm.py:753). pre_register_and_update sets it earlier, before
+    vLLM first reads it while building a config."""
     v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip()
     if v2 not in ("", "0"):
         raise SUPAConfigError(
