@@ -36,13 +36,12 @@ CAPTURE_SIZES = [1, 2, 4, 8]
 BATCHES = [1, 3, 8, 11]
 LENGTHS = [120, 5, 40, 300, 17, 60, 9, 126, 33, 70, 12]
 MAX_TOKENS = 16
-# A small token budget keeps the profile run and the compile quick.
+# A small token budget keeps the profile run and the compile quick. Engines
+# that compile or capture run in the test process like the eager ones:
+# between engines tests/fixtures/engine.py resets what a process exit would
+# (dynamo's caches, vLLM's compilation counters, the platform's graph pool),
+# so each engine compiles, counts and captures as in a fresh process.
 ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)
-# Engines that compile or capture run in the test process too: between
-# engines tests/fixtures/engine.py resets what a process exit would (dynamo's
-# caches, vLLM's compilation counters, the platform's graph pool), so each
-# engine compiles, counts and captures as in a fresh process.
-GRAPHS = ENGINE
 
 # mode -> (compilation mode, cudagraph mode asked for, mode the runner
 # serves, runtime modes that hold captured graphs)
@@ -167,7 +166,7 @@ def test_graph_mode_matches_eager_float32(eager_run, name, mode):
         "cudagraph_capture_sizes": CAPTURE_SIZES,
     }
     with llm_engine(
-        model_dir, dtype="float32", compilation_config=config, **GRAPHS
+        model_dir, dtype="float32", compilation_config=config, **ENGINE
     ) as llm:
         start = llm.collective_rpc(graph_facts)[0]
         got = _serve_batches(llm, prompts)
@@ -203,7 +202,7 @@ def test_graphs_follow_logprobs_rule_bfloat16(tiny_qwen3_moe_dir):
     with llm_engine(model, dtype="bfloat16", enforce_eager=True, **ENGINE) as llm:
         eager = _serve_batches(llm, prompts, logprobs=5)
     with llm_engine(
-        model, dtype="bfloat16", compilation_config=config, **GRAPHS
+        model, dtype="bfloat16", compilation_config=config, **ENGINE
     ) as llm:
         graphs = _serve_batches(llm, prompts, logprobs=5)
         assert llm.collective_rpc(graph_facts)[0]["replays"] > 0
@@ -224,7 +223,7 @@ def test_cpu_default_follows_logprobs_rule_bfloat16(smollm2_dir):
     with llm_engine(smollm2_dir, dtype="bfloat16", enforce_eager=True, **ENGINE) as llm:
         eager = _serve_batches(llm, prompts, logprobs=5)
     with llm_engine(
-        smollm2_dir, dtype="bfloat16", enforce_eager=False, **GRAPHS
+        smollm2_dir, dtype="bfloat16", enforce_eager=False, **ENGINE
     ) as llm:
         facts = llm.collective_rpc(graph_facts)[0]
         default = _serve_batches(llm, prompts, logprobs=5)
