@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Set up if needed, then serve the default model (SmolLM2-135M-Instruct) with
 # `vllm serve` on 127.0.0.1 through the SUPA platform. Extra arguments go to
-# `vllm serve`, e.g. scripts/serve.sh --dtype float32
+# `vllm serve`, e.g. scripts/serve.sh --dtype float32. A leading
+# `--device supa-standin` serves on the stand-in SUPA device
+# (scripts/device_switch.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/device_switch.sh
+set -- ${DEVICE_ARGS[@]+"${DEVICE_ARGS[@]}"}
 MODEL=$(.venv/bin/python -m vllm_br.model_cache path)
 PORT=${PORT:-8000}
 cat <<MSG

@@ -97,6 +97,11 @@ if have triton "*"; then
   "$VPY" -m pip uninstall -y -q triton >/dev/null 2>&1 || true
 fi
 
+# The stand-in SUPA device (tests/standin/): compiled once per torch version
+# and source, cached under ~/.cache/vllm-br/standin (about a minute).
+log "building the stand-in SUPA device (cached)"
+"$VPY" tests/standin/build.py >/dev/null
+
 if [ "${VLLM_BR_SKIP_MODEL:-0}" != "1" ]; then
   log "preparing the default model"
   "$VPY" -m vllm_br.model_cache prepare >/dev/null

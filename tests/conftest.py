@@ -3,6 +3,7 @@ tests/fixtures/)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -62,6 +63,12 @@ def pytest_addoption(parser):
         action="store_true",
         help="fail a whole tier's run that is over its time budget",
     )
+    parser.addoption(
+        "--standin-report",
+        default=None,
+        help="write each test's outcome as JSON here (the nested stand-in "
+        "session of tests/e2e/test_standin.py)",
+    )
 
 
 def pytest_configure(config):
@@ -71,8 +78,15 @@ def pytest_configure(config):
     _TIMER = Timer()
 
 
+_OUTCOMES: dict[str, str] = {}
+
+
 def pytest_runtest_logreport(report):
     _TIMER.add(report.nodeid, report.duration)
+    if report.when == "call" or report.outcome != "passed":
+        _OUTCOMES.setdefault(report.nodeid, report.outcome)
+        if report.outcome != "passed":
+            _OUTCOMES[report.nodeid] = report.outcome
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -88,6 +102,8 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if session.config.option.record_durations and tier and whole and exitstatus == 0:
         _TIMER.record(tier)
+    if session.config.option.standin_report:
+        Path(session.config.option.standin_report).write_text(json.dumps(_OUTCOMES))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -1,0 +1,187 @@
+"""The stand-in SUPA device behaves like a device, not like the host.
+
+In a session on another device this module holds one test, which runs the
+module again in a nested pytest session on the stand-in (see
+tests/fixtures/standin.py); the device cannot be registered next to the
+fakes of the unit tests in one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures import standin
+
+if not standin.active():
+
+    def test_on_the_standin_device(tmp_path):
+        """This module's tests, in a pytest session on the stand-in."""
+        standin.run_nested(__file__, tmp_path, min_tests=14)
+
+else:
+    import torch
+    import torch_br  # noqa: F401  (registers the device, as on a card)
+
+    MiB = 1 << 20
+
+    def test_supa_is_its_own_device():
+        x = torch.empty(4, device="supa:0")
+        assert x.device == torch.device("supa", 0)
+        assert x.is_supa and not x.is_cpu
+        assert torch.supa.device_count() == 2  # the test topology: two cards
+        assert torch.accelerator.current_accelerator().type == "supa"
+
+    def test_an_op_mixing_supa_and_cpu_raises():
+        a = torch.ones(3, device="supa")
+        with pytest.raises(RuntimeError, match="same device.*supa:0 and cpu"):
+            a + torch.ones(3)
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.cat([a, torch.ones(3)])
+        with pytest.raises(RuntimeError, match="same device.*supa:1"):
+            a + torch.ones(3, device="supa:1")
+        # A 0-dim CPU tensor is a scalar operand, which a card takes too.
+        assert (a + torch.tensor(2.0)).cpu().tolist() == [3.0, 3.0, 3.0]
+
+    def test_results_equal_the_cpu_kernels_and_stay_on_the_device():
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(33, 17, generator=g), torch.randn(17, 9, generator=g)
+        for op in (
+            lambda x, y: x @ y,
+            lambda x, y: torch.softmax(x @ y, dim=-1),
+            lambda x, y: (x[:9, :9] * 2 - y[:9]).sum(0),
+        ):
+            got = op(a.to("supa"), b.to("supa"))
+            assert got.device.type == "supa"
+            assert torch.equal(got.cpu(), op(a, b))
+        before = torch.supa.standin_counts().get("op.aten::mm", 0)
+        a.to("supa") @ b.to("supa")
+        assert torch.supa.standin_counts()["op.aten::mm"] == before + 1
+
+    def test_views_share_device_memory():
+        x = torch.zeros(4, 6, device="supa")
+        x.view(24)[3] = 5.0
+        x.t()[1, 2] = 7.0
+        x[:, 4:].unfold(0, 2, 1)[0, 0, 0] = 9.0
+        expected = torch.zeros(4, 6)
+        expected.view(24)[3], expected[2, 1], expected[0, 4] = 5.0, 7.0, 9.0
+        assert torch.equal(x.cpu(), expected)
+
+    def test_memory_statistics_move_with_allocations():
+        base = torch.supa.memory_allocated(0)
+        free_before, total = torch.supa.mem_get_info(0)
+        x = torch.empty(64 * MiB, dtype=torch.uint8, device="supa:0")
+        assert torch.supa.memory_allocated(0) - base >= 64 * MiB
+        assert torch.supa.max_memory_allocated(0) - base >= 64 * MiB
+        free_during, _ = torch.supa.mem_get_info(0)
+        assert free_before - free_during >= 64 * MiB
+        stats = torch.supa.memory_stats(0)
+        assert stats["allocated_bytes.all.current"] == torch.supa.memory_allocated(0)
+        # The same numbers through torch.accelerator (the DeviceAllocator API).
+        assert torch.accelerator.memory_allocated(0) == torch.supa.memory_allocated(0)
+        del x
+        assert torch.supa.memory_allocated(0) == base
+        assert torch.supa.mem_get_info(0) == (free_before, total)
+        # Device 1 keeps its own account.
+        with torch.supa.device(1):
+            y = torch.empty(MiB, dtype=torch.uint8, device="supa")
+        assert y.device.index == 1
+        assert torch.supa.memory_allocated(1) >= MiB
+        assert torch.supa.memory_allocated(0) == base
+
+    def test_out_of_memory_is_real():
+        _, total = torch.supa.mem_get_info(0)
+        ooms = torch.supa.memory_stats(0)["num_ooms"]
+        with pytest.raises(torch.OutOfMemoryError, match="SUPA out of memory"):
+            torch.empty(total + MiB, dtype=torch.uint8, device="supa:0")
+        assert torch.supa.memory_stats(0)["num_ooms"] == ooms + 1
+        assert total == torch.supa.get_device_properties(0).total_memory
+
+    def test_copies_cross_through_the_copy_kernel():
+        torch.supa.reset_standin_counts()
+        host = torch.arange(10.0)
+        dev = host.to("supa")
+        back = dev.cpu()
+        pinned = torch.empty(10).pin_memory()
+        assert pinned.is_pinned() and not host.is_pinned()
+        dev.copy_(pinned.fill_(3.0), non_blocking=True)
+        counts = torch.supa.standin_counts()
+        assert counts["copy.h2d"] == 2 and counts["copy.d2h"] == 1
+        assert counts["copy.h2d_bytes"] == 80
+        assert counts["copy.h2d_pinned_non_blocking"] == 1
+        assert torch.equal(back, host) and dev.cpu().tolist() == [3.0] * 10
+        assert torch.zeros(2, pin_memory=True).is_pinned()
+
+    def test_generators_are_per_device_and_seeded():
+        torch.supa.manual_seed_all(7)
+        a = torch.randn(5, device="supa:0").cpu()
+        torch.supa.manual_seed_all(7)
+        assert torch.equal(torch.randn(5, device="supa:0").cpu(), a)
+        g = torch.Generator(device="supa")
+        assert g.device.type == "supa"
+        g.manual_seed(3)
+        u = torch.empty(4, device="supa").uniform_(generator=g).cpu()
+        g.manual_seed(3)
+        assert torch.equal(torch.empty(4, device="supa").uniform_(generator=g).cpu(), u)
+
+    def test_streams_and_events():
+        s = torch.supa.Stream()
+        assert isinstance(s, torch.supa.Stream) and s.supa_stream != 0
+        assert torch.supa.current_stream().supa_stream == 0
+        with torch.supa.stream(s):
+            assert torch.supa.current_stream().supa_stream == s.supa_stream
+        assert torch.supa.current_stream().supa_stream == 0
+        s.wait_stream(torch.supa.current_stream())
+        start, end = torch.supa.Event(enable_timing=True), torch.supa.Event(enable_timing=True)
+        start.record()
+        torch.ones(100, device="supa").sum()
+        end.record()
+        end.synchronize()
+        assert end.query() and start.elapsed_time(end) >= 0.0
+
+    def test_graph_replay_reads_the_captured_buffers():
+        static_in = torch.ones(4, device="supa")
+        weight = torch.full((4,), 2.0, device="supa")
+        graph = torch.supa.SUPAGraph()
+        captures = torch_br.graphs.stats["captures"]
+        with torch.supa.graph(graph, pool=torch.supa.graph_pool_handle()):
+            assert torch.supa.is_current_stream_capturing()
+            static_out = (static_in * weight + 1).sum()
+        assert not torch.supa.is_current_stream_capturing()
+        assert torch_br.graphs.stats["captures"] == captures + 1
+        assert static_out.item() == 12.0
+        static_in.copy_(torch.arange(4.0))
+        weight.fill_(3.0)
+        graph.replay()
+        assert static_out.item() == 22.0  # (0+1+2+3)*3 + 4, in the same buffer
+
+    def test_a_host_sync_inside_a_capture_raises():
+        x = torch.ones(2, device="supa")
+        graph = torch.supa.SUPAGraph()
+        with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+            with torch.supa.graph(graph):
+                x.sum().item()
+        assert not torch.supa.is_current_stream_capturing()
+
+    def test_bf16_and_properties_follow_the_topology():
+        assert torch.supa.is_bf16_supported()
+        props = torch.supa.get_device_properties(0)
+        assert props.multi_processor_count == 32  # two dies of 16 SPCs
+        assert torch.supa.can_device_access_peer(0, 1)
+
+    def test_supa_backend_reads_the_standin_topology():
+        from vllm_br.device.supa import SupaBackend
+
+        backend = SupaBackend()
+        topo = backend.topology()
+        assert topo.device_count == 2
+        assert topo.dies_per_device == [2, 2]
+        assert topo.p2p == [[True, True], [True, True]]
+        assert backend.versions()["torch_br"] == "0.0.0+standin"
+        assert backend.versions()["pybrml"] == "0.0.0+standin"
+        assert [d.uuid for d in backend.devices()][0].startswith("SUPA-STANDIN-")
+
+    def test_bfloat16_matmul_matches_the_cpu():
+        g = torch.Generator().manual_seed(1)
+        a = torch.randn(16, 32, generator=g, dtype=torch.bfloat16)
+        b = torch.randn(32, 8, generator=g, dtype=torch.bfloat16)
+        assert torch.equal((a.to("supa") @ b.to("supa")).cpu(), a @ b)
