@@ -112,8 +112,9 @@ class SUPAPlatform(Platform):
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
-        # No pinned host allocator is exposed through the device layer.
-        return False
+        # On a card torch_br pins host memory, and vLLM's runner then copies
+        # its inputs without blocking; in emulation there is nothing to pin.
+        return device.get_backend().pinned_host_memory
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:

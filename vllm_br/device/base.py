@@ -67,6 +67,9 @@ class DeviceBackend(ABC):
     numa_weight_layout: bool = True
     #: collectives go through SCCL (else torch.distributed's dist_backend)
     uses_sccl: bool = False
+    #: host memory can be pinned for this device (``pin_memory=True``), so
+    #: host-to-device input copies are non-blocking
+    pinned_host_memory: bool = False
     #: the setting that sizes the device's memory, where the user sets it
     memory_setting: str | None = None
     #: (compilation mode, cudagraph mode) names used where the user chose

@@ -72,6 +72,7 @@ class SupaBackend(DeviceBackend):
     torch_device_type = "supa"
     dist_backend = "sccl"
     uses_sccl = True
+    pinned_host_memory = True
     # On a card, vLLM's own default (graphs remove per-kernel launch cost).
     # Not measured here: no SUPA card is reachable from CI.
     default_graph_modes = ("VLLM_COMPILE", "FULL_AND_PIECEWISE")

@@ -103,8 +103,10 @@ class SUPAModelRunner(GPUModelRunner):
         self.backend.synchronize()
 
     def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
-        # The GPU runner copies through a pinned buffer and an event; SUPA has
-        # no pinned allocator here, so copy synchronously.
+        # The GPU runner copies through a pinned buffer and an event; without
+        # pinned host memory (emulation) a plain copy does the same.
+        if self.backend.pinned_host_memory:
+            return super()._to_list(sampled_token_ids)
         return sampled_token_ids.tolist()
 
     def _init_kv_zero_meta(self) -> None:
