@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_br.ops.paged_attention import padding_to_null_block
 from vllm_br.ops.registry import register_op
 
 __all__ = [
@@ -77,7 +78,8 @@ def concat_and_cache_mla(
         k_pe: ``[num_tokens, rope_dim]`` or ``[num_tokens, 1, rope_dim]``.
         kv_cache: one layer's ``[num_blocks, block_size, kv_lora_rank +
             rope_dim]`` latent cache (any strides).
-        slot_mapping: ``[n]`` slots; negative ones (padding) are skipped.
+        slot_mapping: ``[n]`` slots; negative ones (padding) go to the null
+            block.
 
     """
     n = slot_mapping.shape[0]
@@ -88,9 +90,7 @@ def concat_and_cache_mla(
     assert rank + k_pe.shape[-1] == kv_cache.shape[-1], (kv_c.shape, kv_cache.shape)
     slots = slot_mapping.to(torch.long)
     kv_c, k_pe = kv_c[:n], k_pe[:n]
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, kv_c, k_pe = slots[keep], kv_c[keep], k_pe[keep]
+    slots = padding_to_null_block(slots)
     block_size = kv_cache.shape[1]
     block = torch.div(slots, block_size, rounding_mode="floor")
     offset = slots - block * block_size

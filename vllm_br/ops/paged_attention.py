@@ -91,6 +91,14 @@ SCORE_BUDGET_ELEMS = 1 << 26
 # --------------------------------------------------------------------------- #
 
 
+def padding_to_null_block(slots: torch.Tensor) -> torch.Tensor:
+    """Padding slots (negative) -> slot 0, in vLLM's null block (block 0, which
+    its block pool reserves and never gives a request). The write then keeps
+    a fixed shape with no host sync, as a graph capture requires; what lands
+    in the null block is never read as context."""
+    return slots.clamp(min=0)
+
+
 @register_op("reshape_and_cache")
 def reshape_and_cache(
     key: torch.Tensor,
@@ -107,7 +115,7 @@ def reshape_and_cache(
         kv_cache: one layer's ``[num_blocks, num_kv_heads, block_size,
             head_size + head_size_v]`` view (any strides).
         slot_mapping: ``[n]`` integer slots, ``block_id * block_size + offset``;
-            negative slots (padding, ``-1``) are skipped.
+            negative slots (padding, ``-1``) go to the null block.
 
     """
     n = slot_mapping.shape[0]
@@ -121,13 +129,7 @@ def reshape_and_cache(
     slots = slot_mapping.to(torch.long)
     key = key[:n]
     value = value[:n]
-    keep = slots >= 0
-    # Boolean selection: one host sync on a device; skipped padding slots are
-    # never written (writing them to a dummy slot could clobber a live one).
-    if not bool(keep.all()):
-        slots = slots[keep]
-        key = key[keep]
-        value = value[keep]
+    slots = padding_to_null_block(slots)
     kv = torch.cat((key, value), dim=-1).to(kv_cache.dtype)
     block_idx = torch.div(slots, block_size, rounding_mode="floor")
     offset = slots - block_idx * block_size
