@@ -38,6 +38,11 @@ logger = init_logger(__name__)
 class SUPAGraphWrapper(CUDAGraphWrapper):
     """Captures and replays ``runnable`` per batch descriptor on SUPA."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: batch descriptor -> the forward context its graph was captured in
+        self._captured_contexts: dict[Any, Any] = {}
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not is_forward_context_available():
             return self.runnable(*args, **kwargs)
@@ -56,7 +61,12 @@ class SUPAGraphWrapper(CUDAGraphWrapper):
             self.concrete_cudagraph_entries[descriptor] = entry
         if entry.cudagraph is None:
             return self._capture(entry, forward_context, args, kwargs)
-        return entry.cudagraph.replay()
+        # A graph keeps what the host decided at capture time (shapes,
+        # attention plan, Python ints) and re-reads only device memory. A
+        # replay that runs Python (the cpu emulation, the stand-in device)
+        # sees the capture's forward context, as a card's replay would.
+        with override_forward_context(self._captured_contexts[descriptor]):
+            return entry.cudagraph.replay()
 
     def _capture(
         self,
@@ -83,6 +93,7 @@ class SUPAGraphWrapper(CUDAGraphWrapper):
                 return runnable(*static_args, **kwargs)
 
         graph = get_backend().capture_graph(run, *args, pool=self.graph_pool)
+        self._captured_contexts[entry.batch_descriptor] = forward_context
         entry.cudagraph = graph
         entry.output = graph.output
         entry.input_addresses = [a.data_ptr() for a in args if hasattr(a, "data_ptr")]
