@@ -197,6 +197,9 @@ class SUPAPlatform(Platform):
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         """Apply SUPA policies; idempotent (vLLM calls it on every VllmConfig)."""
         envs.validate_all()
+        # Resolves VLLM_BR_DEVICE=auto: a card whose torch_br cannot be
+        # imported stops here with its one sentence.
+        device.backend_name()
         _check_engine_version()
         _apply_parallel_policy(vllm_config)
         _apply_cache_policy(vllm_config)

@@ -268,6 +268,44 @@ def test_missing_torch_br_via_get_backend(monkeypatch):
         device_layer._make_backend.cache_clear()
 
 
+def test_auto_with_a_card_but_no_torch_br_stops_with_one_sentence(
+    monkeypatch, tmp_path
+):
+    """A card's device node exists but torch_br fails to import: auto must not
+    fall back to the emulation silently."""
+    (tmp_path / "card0").touch()
+    monkeypatch.setattr(device_layer, "CARD_NODES", str(tmp_path / "card*"))
+    monkeypatch.setitem(sys.modules, "torch_br", None)  # import raises ImportError
+    monkeypatch.setenv("VLLM_BR_DEVICE", "auto")
+    assert device_layer.supa_present()
+    with pytest.raises(SUPAConfigError) as info:
+        device_layer.backend_name()
+    msg = str(info.value)
+    assert msg == (
+        f"VLLM_BR_DEVICE=auto found a SUPA card ({tmp_path / 'card0'}) but "
+        "torch_br cannot be imported (import of torch_br halted; None in "
+        "sys.modules); install the Biren torch_br package built for this torch, "
+        "or set VLLM_BR_DEVICE=cpu to emulate SUPA on the host."
+    )
+    assert msg.count(". ") == 0 and msg.endswith(".")
+    # The platform stops start-up with the same sentence.
+    from vllm_br import platform as supa_platform
+
+    with pytest.raises(SUPAConfigError, match=r"^VLLM_BR_DEVICE=auto found a SUPA"):
+        supa_platform.SUPAPlatform.check_and_update_config(None)
+    # No card node: auto is the emulation, and torch_br is not looked at.
+    monkeypatch.setattr(device_layer, "CARD_NODES", str(tmp_path / "none*"))
+    assert device_layer.backend_name() == "cpu"
+
+
+def test_auto_with_a_card_and_torch_br_is_supa(monkeypatch, tmp_path):
+    (tmp_path / "card0").touch()
+    monkeypatch.setattr(device_layer, "CARD_NODES", str(tmp_path / "card*"))
+    monkeypatch.setenv("VLLM_BR_DEVICE", "auto")
+    with installed_fake_torch_br():
+        assert device_layer.backend_name() == "supa"
+
+
 def test_fake_is_removed_cleanly():
     had_supa = hasattr(torch, "supa")
     before = {k: sys.modules.get(k) for k in ("torch_br", "pybrml")}
