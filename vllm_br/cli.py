@@ -2,6 +2,8 @@
 
 vllm-br info          platform, backend, versions, devices, topology, settings
 vllm-br info --json   the same as JSON
+vllm-br check         conformance checks on the active device backend
+                      (docs/check.md); --json, --only GROUP[,GROUP], --devices N
 """
 
 from __future__ import annotations
@@ -122,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="platform, devices, topology and settings")
     p_info.add_argument("--json", action="store_true", help="print JSON")
+    p_check = sub.add_parser(
+        "check",
+        help="conformance checks: ops, attention, graphs, memory, collectives, "
+        "end to end (exit 0 when none fails)",
+    )
+    from vllm_br.check import command as check_command
+
+    check_command.add_arguments(p_check)
     args = parser.parse_args(argv)
     if args.command == "info":
         info = collect_info()
@@ -130,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _print_text(info)
         return 0 if "error" not in info else 1
+    if args.command == "check":
+        from vllm_br.errors import SUPAConfigError
+
+        try:
+            return check_command.run(args)
+        except SUPAConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 2
 
 

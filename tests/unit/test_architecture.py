@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     ),
     "worker": 4,
     "patches": 5,
-    "entry_points": 6,
+    **dict.fromkeys(["entry_points", "check"], 6),
     **dict.fromkeys(["platform", "cli"], 7),
     "__init__": 8,
 }
