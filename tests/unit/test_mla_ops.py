@@ -323,6 +323,12 @@ def test_cache_write_roundtrip_and_padding_slots_go_to_the_null_block():
         torch.ones(2, L), torch.ones(2, R), lat.cache, torch.tensor([-1, -1])
     )
     assert torch.equal(lat.cache[1:], before[1:])
+    # ...as zeros (their rows come from unwritten inputs: NaN on a card).
+    concat_and_cache_mla(
+        torch.full((1, L), float("nan")), torch.ones(1, R), lat.cache,
+        torch.tensor([-1]),
+    )  # fmt: skip
+    assert torch.count_nonzero(lat.cache[0, 0]) == 0
 
 
 def test_merge_attn_states_weights_by_lse_and_handles_empty_parts():

@@ -665,3 +665,21 @@ def test_ctypes_args_match_the_cpp_struct(impl):
     assert out[0] == ctypes.sizeof(cpu_pa.AttentionArgs)
     for i, (name, _) in enumerate(fields):
         assert out[1 + i] == getattr(cpu_pa.AttentionArgs, name).offset, name
+
+
+def test_padding_rows_write_zeros_into_the_null_block():
+    """Padding slots (-1) go to vLLM's null block without a host sync (graph
+    capture), and as zeros: their rows come from unwritten inputs (NaN on a
+    card), and attention reads the null block, masked, where a block table is
+    padded, so a NaN there would poison every such sequence."""
+    hkv, d = 2, 8
+    cache = make_layer_cache(3, hkv, 2 * d, torch.float32)
+    cache.zero_()
+    key = torch.full((3, hkv, d), float("nan"))
+    value = torch.full((3, hkv, d), float("inf"))
+    key[1], value[1] = 1.0, 2.0
+    reshape_and_cache(key, value, cache, torch.tensor([-1, BLOCK_SIZE + 3, -1]))
+    assert torch.isfinite(cache).all()
+    assert torch.count_nonzero(cache[0]) == 0  # the null block: zeros only
+    live = cache[1].transpose(0, 1)[3]  # block 1, offset 3: [hkv, 2d]
+    assert torch.equal(live, torch.cat((key[1], value[1]), -1))

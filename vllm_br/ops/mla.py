@@ -90,11 +90,12 @@ def concat_and_cache_mla(
     assert rank + k_pe.shape[-1] == kv_cache.shape[-1], (kv_c.shape, kv_cache.shape)
     slots = slot_mapping.to(torch.long)
     kv_c, k_pe = kv_c[:n], k_pe[:n]
-    slots = padding_to_null_block(slots)
+    rows = torch.cat((kv_c, k_pe), dim=-1).to(kv_cache.dtype)
+    slots, rows = padding_to_null_block(slots, rows)
     block_size = kv_cache.shape[1]
     block = torch.div(slots, block_size, rounding_mode="floor")
     offset = slots - block * block_size
-    kv_cache[block, offset] = torch.cat((kv_c, k_pe), dim=-1).to(kv_cache.dtype)
+    kv_cache[block, offset] = rows
 
 
 @register_op("gather_mla_context")

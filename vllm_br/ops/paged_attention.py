@@ -91,12 +91,18 @@ SCORE_BUDGET_ELEMS = 1 << 26
 # --------------------------------------------------------------------------- #
 
 
-def padding_to_null_block(slots: torch.Tensor) -> torch.Tensor:
+def padding_to_null_block(
+    slots: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Padding slots (negative) -> slot 0, in vLLM's null block (block 0, which
-    its block pool reserves and never gives a request). The write then keeps
-    a fixed shape with no host sync, as a graph capture requires; what lands
-    in the null block is never read as context."""
-    return slots.clamp(min=0)
+    its block pool reserves and never gives a request), with their rows
+    zeroed. The write then keeps a fixed shape with no host sync, as a graph
+    capture requires. Zeros, because padding rows are computed from unwritten
+    inputs (NaN or Inf on a card), and attention reads the null block where a
+    block table is padded: masked, but 0 * NaN is NaN."""
+    keep = slots >= 0
+    rows = rows.masked_fill(~keep.view(-1, *([1] * (rows.dim() - 1))), 0)
+    return slots.clamp(min=0), rows
 
 
 @register_op("reshape_and_cache")
@@ -129,8 +135,8 @@ def reshape_and_cache(
     slots = slot_mapping.to(torch.long)
     key = key[:n]
     value = value[:n]
-    slots = padding_to_null_block(slots)
     kv = torch.cat((key, value), dim=-1).to(kv_cache.dtype)
+    slots, kv = padding_to_null_block(slots, kv)
     block_idx = torch.div(slots, block_size, rounding_mode="floor")
     offset = slots - block_idx * block_size
     # [B, N, H, C] view: adjacent advanced indices -> assigned rows [n, H, C].
