@@ -68,6 +68,10 @@ struct DeviceStats {
 };
 
 static std::mutex g_mem_mutex;
+static bool g_poison = [] {
+  const char* v = std::getenv("SUPA_STANDIN_POISON");
+  return v == nullptr || std::string(v) != "0";
+}();
 static DeviceStats g_stats[kMaxDevices];
 
 struct Block {
@@ -119,6 +123,9 @@ struct SupaAllocator final : c10::DeviceAllocator {
     }
     void* ptr = std::aligned_alloc(512, size_t(bytes));
     TORCH_CHECK(ptr != nullptr, "host allocation of ", human(bytes), " failed");
+    // Device memory is not zeroed on a card: poison it (NaN in every float
+    // dtype, -1 in integers) so a read of memory nothing wrote shows up.
+    if (g_poison) std::memset(ptr, 0xFF, size_t(bytes));
     return {ptr, new Block{ptr, bytes, device}, &free_block, dev};
   }
 
