@@ -114,7 +114,9 @@ class SUPAPlatform(Platform):
     def is_pin_memory_available(cls) -> bool:
         # On a card torch_br pins host memory, and vLLM's runner then copies
         # its inputs without blocking; in emulation there is nothing to pin.
-        return device.get_backend().pinned_host_memory
+        # vLLM asks while importing (PIN_MEMORY): the class-attribute backend
+        # answers, so a bad VLLM_BR_DEVICE still ends in its one sentence.
+        return _BACKEND.pinned_host_memory
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
