@@ -9,7 +9,6 @@ identical, or vLLM's ``check_logprobs_close`` rule where they part.
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
 
 import pytest
@@ -105,10 +104,11 @@ def test_float32_identical_batched_with_prefix_cache(model, hf_float32):
         assert facts["model_runner"] == "SUPAModelRunner"
         assert facts["attn_backends"] == ["SUPAFlashAttentionBackend"]
         assert facts["block_size"] == 128
-        # KV cache sized from the emulated device's memory (VLLM_BR_CPU_MEMORY_GIB
-        # in tests/e2e/conftest.py) times --gpu-memory-utilization (0.9).
-        device_bytes = float(os.environ["VLLM_BR_CPU_MEMORY_GIB"]) * (1 << 30)
-        assert 0 < facts["kv_cache_bytes"] < 0.9 * device_bytes
+        # KV cache sized from the device's memory (on cpu the emulated
+        # device's, VLLM_BR_CPU_MEMORY_GIB in tests/e2e/conftest.py; on the
+        # stand-in its 2 GiB cards) times --gpu-memory-utilization.
+        limit = facts["gpu_memory_utilization"] * facts["device_total_memory"]
+        assert 0 < facts["kv_cache_bytes"] <= limit
         # The plugin's layers serve every op, not vLLM's native fallbacks.
         expected_layers = {
             "SUPARMSNorm", "SUPASiluAndMul", "SUPARotaryEmbedding",

@@ -18,6 +18,11 @@ if not standin.active():
         """This module's tests, in a pytest session on the stand-in."""
         standin.run_nested(__file__, tmp_path, min_tests=14)
 
+    @pytest.mark.slow
+    def test_on_the_standin_device_slow(tmp_path):
+        """This module's slow tests (`vllm-br check`), on the stand-in."""
+        standin.run_nested(__file__, tmp_path, min_tests=1, markers="slow")
+
 else:
     import torch
     import torch_br  # noqa: F401  (registers the device, as on a card)
@@ -131,7 +136,10 @@ else:
             assert torch.supa.current_stream().supa_stream == s.supa_stream
         assert torch.supa.current_stream().supa_stream == 0
         s.wait_stream(torch.supa.current_stream())
-        start, end = torch.supa.Event(enable_timing=True), torch.supa.Event(enable_timing=True)
+        start, end = (
+            torch.supa.Event(enable_timing=True),
+            torch.supa.Event(enable_timing=True),
+        )
         start.record()
         torch.ones(100, device="supa").sum()
         end.record()
@@ -157,7 +165,9 @@ else:
     def test_a_host_sync_inside_a_capture_raises():
         x = torch.ones(2, device="supa")
         graph = torch.supa.SUPAGraph()
-        with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        with pytest.raises(
+            RuntimeError, match="not permitted when stream is capturing"
+        ):
             with torch.supa.graph(graph):
                 x.sum().item()
         assert not torch.supa.is_current_stream_capturing()
@@ -185,3 +195,33 @@ else:
         a = torch.randn(16, 32, generator=g, dtype=torch.bfloat16)
         b = torch.randn(32, 8, generator=g, dtype=torch.bfloat16)
         assert torch.equal((a.to("supa") @ b.to("supa")).cpu(), a @ b)
+
+    @pytest.mark.slow
+    def test_vllm_br_check_passes_on_the_standin():
+        """`vllm-br check --json` on the stand-in: every check passes, memory
+        accounting included (the stand-in's allocator tracks it)."""
+        import json
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        cli = Path(sys.executable).with_name("vllm-br")
+        proc = subprocess.run(
+            [str(cli), "check", "--json"],
+            env=dict(os.environ),
+            cwd=standin.ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        results = json.loads(proc.stdout)
+        bad = [r for r in results if r["status"] != "PASS"]
+        assert not bad, json.dumps(bad, indent=1) + proc.stderr[-3000:]
+        assert proc.returncode == 0
+        groups = {r["group"] for r in results}
+        assert groups == {"ops", "attention", "graphs", "memory", "collectives", "e2e"}
+        collectives = [r for r in results if r["group"] == "collectives"]
+        assert collectives and all("SCCL" in r["detail"] for r in collectives), (
+            collectives
+        )
