@@ -322,3 +322,34 @@ def test_capture_plan_stays_right_as_sequences_grow(dtype):
         query, kv_cache, block_table, seq_lens, qsl, plan=sized_plan, **kwargs
     )
     assert (stale.float() - ref.float()).abs().max() > 0.05
+
+
+def test_compiler_runs_pieces_eagerly_where_inductor_has_no_device_code(
+    monkeypatch,
+):
+    """A device whose torch_br registers no inductor code generator (the
+    stand-in) gets its pieces back as traced, as vLLM's EagerAdaptor does,
+    instead of inductor failing at the first lowering."""
+    import vllm_br.compilation.compiler as compiler
+
+    class NoCodegen:
+        torch_device_type = "supa"
+
+        def has_inductor_codegen(self) -> bool:
+            return False
+
+    monkeypatch.setattr(compiler, "get_backend", lambda: NoCodegen())
+    graph = torch.fx.symbolic_trace(lambda x: x * 2 + 1)
+    compiled, handle = SUPACompiler().compile(graph, [torch.ones(2)], {}, None)
+    assert compiled is graph and handle is None
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 3.0))
+
+
+def test_inductor_codegen_is_asked_of_torch_for_the_device():
+    from vllm_br.device.base import DeviceBackend
+    from vllm_br.device.cpu import CpuBackend
+
+    assert CpuBackend().has_inductor_codegen()
+    # Nothing registers a code generator for a PrivateUse1 "supa" device here.
+    fake = SimpleNamespace(torch_device_type="supa")
+    assert DeviceBackend.has_inductor_codegen(fake) is False

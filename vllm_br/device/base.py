@@ -88,6 +88,20 @@ class DeviceBackend(ABC):
         on a card."""
         return None
 
+    def has_inductor_codegen(self) -> bool:
+        """Inductor can generate code for this device (on a card, torch_br
+        registers a device code generator; the cpu backend uses inductor's
+        C++ one)."""
+        if self.torch_device_type == "cpu":
+            return True
+        from torch._inductor.codegen.common import (
+            get_scheduling_for_device,
+            init_backend_registration,
+        )
+
+        init_backend_registration()
+        return get_scheduling_for_device(self.torch_device_type) is not None
+
     def inductor_config(self) -> dict[str, Any]:
         """Inductor options this device's compiled code needs (defaults: the
         user's compile config wins)."""

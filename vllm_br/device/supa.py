@@ -35,9 +35,12 @@ class SupaGraph:
         self.graph = graph
         self.output = output
         self.pool = pool
+        #: replays so far (as the cpu backend's emulated graph counts them)
+        self.replays = 0
 
     def replay(self) -> Any:
         self.graph.replay()
+        self.replays += 1
         return self.output
 
 
