@@ -92,8 +92,10 @@ def graph_facts(worker) -> dict:
         "captured": compilation_counter.num_cudagraph_captured,
         "graphs": len(graphs),
         "replays": sum(g.replays for g in graphs),
+        # The cpu backend's emulated pool lists its graphs; a torch.supa
+        # pool handle is opaque, so there only the identity is checked.
         "one_pool": all(g.pool is pool for g in graphs)
-        and len(pool.graphs) == len(graphs),
+        and len(getattr(pool, "graphs", graphs)) == len(graphs),
         "inductor_compiles": compilation_counter.num_inductor_compiles,
     }
 
@@ -165,7 +167,6 @@ def test_graph_mode_matches_eager_float32(eager_run, name, mode):
         "mode": compile_mode,
         "cudagraph_mode": asked,
         "cudagraph_capture_sizes": CAPTURE_SIZES,
-        **standin.compile_overrides(),
     }
     with llm_engine(
         model_dir, dtype="float32", compilation_config=config, **ENGINE
@@ -199,7 +200,6 @@ def test_graphs_follow_logprobs_rule_bfloat16(tiny_qwen3_moe_dir):
         "mode": "VLLM_COMPILE",
         "cudagraph_mode": "FULL_AND_PIECEWISE",
         "cudagraph_capture_sizes": CAPTURE_SIZES,
-        **standin.compile_overrides(),
     }
     model = tiny_qwen3_moe_dir
     with llm_engine(model, dtype="bfloat16", enforce_eager=True, **ENGINE) as llm:

@@ -154,13 +154,14 @@ else:
         check_logprobs_close(reference, first + second)
 
     def test_graphs_captured_through_torch_supa_graph_equal_eager(models):
-        """FULL_AND_PIECEWISE graphs (pieces compiled by the eager backend: the
-        stand-in has no inductor device code) captured with torch.supa.graph
-        and replayed give the eager tokens."""
+        """The supa default, VLLM_COMPILE with FULL_AND_PIECEWISE graphs,
+        captured with torch.supa.graph and replayed, gives the eager tokens
+        (the stand-in has no inductor code generator, so SUPACompiler runs
+        the pieces eagerly, as on a card whose torch_br brings none)."""
         path, prompts, _ = models("tiny_llama")
         with llm_engine(path, dtype="float32", **CHUNKED) as llm:
             eager = token_ids(_generate(llm, prompts, _greedy()))
-        graphs = dict(backend="eager", cudagraph_mode="FULL_AND_PIECEWISE")
+        graphs = dict(mode="VLLM_COMPILE", cudagraph_mode="FULL_AND_PIECEWISE")
         with llm_engine(
             path, dtype="float32", compilation_config=graphs, **CHUNKED
         ) as llm:

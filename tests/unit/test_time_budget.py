@@ -81,7 +81,8 @@ def test_record_keeps_notable_tests_in_slowest_host_seconds(xeon):
         ("", ["tests/unit/test_envs.py::test_x"], "", (None, False)),
     ],
 )
-def test_tier_of(markexpr, args, keyword, expect):
+def test_tier_of(markexpr, args, keyword, expect, monkeypatch):
+    monkeypatch.delenv("SUPA_STANDIN_BUILD_DIR", raising=False)
     root = Path(__file__).resolve().parents[2]
     config = SimpleNamespace(
         option=SimpleNamespace(markexpr=markexpr, keyword=keyword),
@@ -91,7 +92,28 @@ def test_tier_of(markexpr, args, keyword, expect):
     assert tb.tier_of(config, root / "tests") == expect
 
 
-def test_ci_enforces_the_budget_of_both_tiers():
+@pytest.mark.parametrize(
+    ("markexpr", "args", "expect"),
+    [
+        ("not slow", ["tests/e2e"], ("standin", True)),
+        ("not slow", ["tests/e2e/test_server.py"], ("standin", False)),
+        ("slow", ["tests/e2e"], (None, True)),
+        ("not slow", ["tests"], ("standin", False)),
+    ],
+)
+def test_tier_of_on_the_standin(markexpr, args, expect, monkeypatch):
+    monkeypatch.setenv("VLLM_BR_DEVICE", "supa")
+    monkeypatch.setenv("SUPA_STANDIN_BUILD_DIR", "/nonexistent")
+    root = Path(__file__).resolve().parents[2]
+    config = SimpleNamespace(
+        option=SimpleNamespace(markexpr=markexpr, keyword=""),
+        args=args,
+        invocation_params=SimpleNamespace(dir=root),
+    )
+    assert tb.tier_of(config, root / "tests") == expect
+
+
+def test_ci_enforces_the_budget_of_every_tier():
     """CI (.ci/run) runs the README's command, whose default run is the
     whole default tier with --enforce-budget, then the whole slow tier with
     it; both select what tier_of counts as a whole tier."""
@@ -102,7 +124,7 @@ def test_ci_enforces_the_budget_of_both_tiers():
     default_args = next(
         line.split("set --", 1)[1]
         for line in script.splitlines()
-        if line.strip().startswith("set --")
+        if line.strip().startswith("set -- tests")
     )
     ci = [
         shlex.split(line)
@@ -114,3 +136,10 @@ def test_ci_enforces_the_budget_of_both_tiers():
     for args, tier in zip(runs, ("default", "slow"), strict=True):
         assert "--enforce-budget" in args, args
         assert args[0] == "tests" and tb.TIERS[args[args.index("-m") + 1]] == tier
+    # The third run: the e2e suite's default tier on the stand-in device.
+    standin = ci[2][2:]
+    assert standin[:2] == ["--device", "supa-standin"], standin
+    folder, expr = tb.STANDIN_TIER
+    assert standin[2] == f"tests/{folder}"
+    assert standin[standin.index("-m") + 1] == expr
+    assert "--enforce-budget" in standin
