@@ -232,6 +232,28 @@ def test_decode_only(dtype):
     check(case, case.run(plan=plan), case.reference())
 
 
+@pytest.mark.parametrize("impl", ["reference"], indirect=True)
+@pytest.mark.parametrize("window", [None, 200])
+def test_decodes_in_bounded_groups_equal_one_gather(monkeypatch, window, impl):
+    """A decode batch whose gathered K/V would exceed DECODE_GATHER_BYTES is
+    attended in groups of requests (a captured decode graph gathers the
+    longest sequence's blocks for every request): same result."""
+    case = Case(SEQ_LENS, [1] * len(SEQ_LENS), hq=9, hkv=3, seed=4)
+    plan = make_paged_attention_plan(case.qsl, case.seq_lens_t)
+    whole = case.run(plan=plan, sliding_window=window)
+    calls = []
+    gather = pa._gather_kv
+    monkeypatch.setattr(
+        pa, "_gather_kv", lambda *a, **k: calls.append(a[1].shape[0]) or gather(*a, **k)
+    )
+    monkeypatch.setattr(pa, "DECODE_GATHER_BYTES", 1)  # one request per group
+    plan = make_paged_attention_plan(case.qsl, case.seq_lens_t)
+    grouped = case.run(plan=plan, sliding_window=window)
+    assert calls == [1] * len(SEQ_LENS)
+    assert torch.equal(grouped, whole)
+    check(case, grouped, case.reference(sliding_window=window))
+
+
 def _mixed(dtype=torch.float32, **kw):
     # decode, prefill, chunked prefill (ctx 300), decode, prefix hit (ctx 256),
     # padding request (0 tokens), single-token prefill, decode at a block edge.

@@ -91,6 +91,10 @@ SCORE_BUDGET_ELEMS = 1 << 26
 # --------------------------------------------------------------------------- #
 
 
+#: most bytes of K/V one decode gather holds (the decodes are cut in groups)
+DECODE_GATHER_BYTES = 64 << 20
+
+
 def padding_to_null_block(
     slots: torch.Tensor, rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,12 +396,22 @@ def _gather_kv(
     # copy for LBNHC (index_select beats advanced indexing here).
     kv = kv_cache.transpose(1, 2).index_select(0, block_ids.flatten())
     kv = kv.reshape(r, num_blocks * bs, kv.shape[2], kv.shape[3])
-    pos = torch.arange(num_blocks * bs, device=block_table.device)
-    if start_block is None:
-        key_pos = pos.expand(r, num_blocks * bs)
-    else:
-        key_pos = start_block[:, None] * bs + pos[None, :]
+    key_pos = _key_positions(start_block, r, num_blocks, bs, block_table.device)
     return kv[..., :head_size], kv[..., head_size:], key_pos
+
+
+def _key_positions(
+    start_block: torch.Tensor | None,
+    rows: int,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """[R, num_blocks * block_size] positions of the keys _gather_kv gathers."""
+    pos = torch.arange(num_blocks * block_size, device=device)
+    if start_block is None:
+        return pos.expand(rows, num_blocks * block_size)
+    return start_block[:, None] * block_size + pos[None, :]
 
 
 def _mask(
@@ -467,10 +481,10 @@ def _attend_part(
             nb = min(nb, math.ceil((max_q + window - 1) / block_size) + 1)
         return max(1, min(nb, width))
 
-    def gather_with_mask(key, positions, bt, sl, c, nb):
-        """K/V of the requests through their block tables and the attention
-        mask; positions and mask are computed once per step (kept in the plan
-        and shared by all layers) unless causality varies per request."""
+    def start_and_mask(key, positions, sl, c, nb):
+        """The first gathered block per request (None: block 0) and the
+        attention mask; computed once per step (kept in the plan and shared
+        by all layers) unless causality varies per request."""
         share = plan.cache_masks and not dyn_causal
         cached = plan._cache.get(key) if share else None
         if cached is None:
@@ -478,13 +492,19 @@ def _attend_part(
             if share:
                 plan._cache[key] = cached
         qpos, start = cached
-        k, v, kpos = _gather_kv(kv_cache, bt, start, nb, head_size)
         mkey = key + ("mask",)
         m = plan._cache.get(mkey) if share else None
         if m is None:
+            kpos = _key_positions(start, sl.shape[0], nb, block_size, sl.device)
             m = _mask(kpos, qpos, sl, c, window)
             if share:
                 plan._cache[mkey] = m
+        return start, m
+
+    def gather_with_mask(key, positions, bt, sl, c, nb):
+        """K/V of the requests through their block tables, and the mask."""
+        start, m = start_and_mask(key, positions, sl, c, nb)
+        k, v, _ = _gather_kv(kv_cache, bt, start, nb, head_size)
         return k, v, m
 
     seq_lens = seq_lens.to(torch.long)  # for the index arithmetic
@@ -515,8 +535,29 @@ def _attend_part(
                 )
             return qpos, start
 
-        k, v, m = gather_with_mask(key, decode_positions, bt, sl, c, nb)
-        o = _attend(q[:, None], k, v, m, scale, logits_soft_cap, use_sdpa)[:, 0]
+        # Requests in groups whose gathered K/V stays under
+        # DECODE_GATHER_BYTES: a captured decode graph gathers the longest
+        # sequence's blocks for every request of its batch (512 requests x
+        # 8192 tokens of SmolLM2 needed 1.5 GiB at once).
+        start, m = start_and_mask(key, decode_positions, sl, c, nb)
+        row_bytes = nb * block_size * hkv * content * kv_cache.element_size()
+        group = max(1, DECODE_GATHER_BYTES // row_bytes)
+        parts = []
+        for g0 in range(0, nd, group):
+            g1 = min(nd, g0 + group)
+            k, v, _ = _gather_kv(
+                kv_cache,
+                bt[g0:g1],
+                None if start is None else start[g0:g1],
+                nb,
+                head_size,
+            )
+            parts.append(
+                _attend(
+                    q[g0:g1, None], k, v, m[g0:g1], scale, logits_soft_cap, use_sdpa
+                )[:, 0]
+            )
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)
         if plan.decode_tokens is None:
             out3[:nd] = o
         else:
