@@ -162,6 +162,21 @@ else:
         graph.replay()
         assert static_out.item() == 22.0  # (0+1+2+3)*3 + 4, in the same buffer
 
+    def test_a_graph_holds_its_outputs_not_its_intermediates():
+        """As in a graph pool: what the capture dropped is freed, and a replay
+        makes its intermediates again without growing the memory held."""
+        x = torch.ones(1 << 20, device="supa")  # 4 MiB
+        base = torch.supa.memory_allocated()
+        graph = torch.supa.SUPAGraph()
+        with torch.supa.graph(graph):
+            y = ((x * 2) + 1) * 3  # two 4 MiB intermediates
+        held = torch.supa.memory_allocated() - base
+        assert 4 * MiB <= held < 5 * MiB  # y only
+        x.fill_(2.0)
+        graph.replay()
+        assert y[0].item() == 15.0
+        assert torch.supa.memory_allocated() - base == held
+
     def test_a_host_sync_inside_a_capture_raises():
         x = torch.ones(2, device="supa")
         graph = torch.supa.SUPAGraph()

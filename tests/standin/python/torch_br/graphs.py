@@ -2,21 +2,28 @@
 
 While ``torch.supa.graph(g)`` is open, every operator that reaches the
 dispatcher is run and recorded with the tensors it read and wrote. ``replay``
-runs the same operators on the same tensors and writes each result into the
-buffer the capture produced, so a replay reads whatever the captured input
-buffers hold now and leaves its results in the captured outputs: the
-capture-replay contract of a card's graph (host values decided during capture,
-Python ints and shapes, stay as captured). A host synchronisation inside a
-capture (``.item()``, a blocking copy to the host) raises, as on a card.
+runs the same operators: on the same input tensors (those that existed
+before the capture), writing each result that outlived the capture into the
+buffer the capture produced, and making the capture's intermediates afresh
+(they are freed as they die, as in a graph pool). So a replay reads whatever
+the captured input buffers hold now and leaves its results in the captured
+outputs: the capture-replay contract of a card's graph (host values decided
+during capture, Python ints and shapes, stay as captured). A host
+synchronisation inside a capture (``.item()``, a blocking copy to the host)
+raises, as on a card.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
+import weakref
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_br import _C
 
@@ -25,26 +32,56 @@ stats = {"captures": 0, "replays": 0}
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, tape: list[tuple[Any, tuple, dict, Any]]) -> None:
+    """Runs each operator and records it with its tensors as tokens: a tensor
+    that existed before the capture is an input (held), one an operator made
+    is held only weakly, so what the capture drops is freed as it would be in
+    a graph pool."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.tape = tape
+        self.tape: list[tuple[Any, Any, Any, Any]] = []
+        self.tokens = WeakIdKeyDictionary()
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.made: dict[int, Any] = {}  # token -> weakref of a tensor made here
+        self.counter = itertools.count()
+
+    def _token(self, t: torch.Tensor, made: bool) -> int:
+        token = self.tokens.get(t)
+        if token is None:
+            token = next(self.counter)
+            self.tokens[t] = token
+            if made:
+                self.made[token] = weakref.ref(t)
+            else:
+                self.inputs[token] = t
+        return token
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        spec = tree_map_only(
+            torch.Tensor, lambda t: _Ref(self._token(t, False)), (args, kwargs)
+        )
         out = func(*args, **kwargs)
-        self.tape.append((func, args, kwargs, out))
+        out_spec = tree_map_only(
+            torch.Tensor, lambda t: _Ref(self._token(t, True)), out
+        )
+        self.tape.append((func, spec, out_spec, None))
         return out
 
 
-def _write_back(captured: Any, fresh: Any) -> None:
-    old, _ = tree_flatten(captured)
-    new, _ = tree_flatten(fresh)
-    for a, b in zip(old, new, strict=True):
-        if not isinstance(a, torch.Tensor) or a is b:
-            continue
-        if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
-            continue  # a view recomputed on the same memory
-        a.copy_(b)
+class _Ref:
+    __slots__ = ("token",)
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+
+def _write_back(captured: torch.Tensor, fresh: torch.Tensor) -> None:
+    if captured is fresh:
+        return
+    if captured.data_ptr() == fresh.data_ptr() and captured.stride() == fresh.stride():
+        return  # a view recomputed on the same memory
+    captured.copy_(fresh)
 
 
 class _Pool:
@@ -57,8 +94,10 @@ def graph_pool_handle() -> _Pool:
 
 class SUPAGraph:
     def __init__(self, keep_graph: bool = False) -> None:
-        self._tape: list[tuple[Any, tuple, dict, Any]] | None = None
+        self._tape: list[tuple[Any, Any, Any, Any]] | None = None
         self._recorder: _Recorder | None = None
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
         self._pool: Any = None
 
     def capture_begin(
@@ -67,29 +106,60 @@ class SUPAGraph:
         if _C.is_capturing():
             raise RuntimeError("a SUPA graph capture is already in progress")
         self._pool = pool if pool is not None else _Pool()
-        self._tape = []
-        self._recorder = _Recorder(self._tape)
+        self._recorder = _Recorder()
         _C.set_capturing(True)
         self._recorder.__enter__()
 
     def capture_end(self) -> None:
-        assert self._recorder is not None, "capture_end() without capture_begin()"
+        recorder = self._recorder
+        assert recorder is not None, "capture_end() without capture_begin()"
         try:
-            self._recorder.__exit__(None, None, None)
+            recorder.__exit__(None, None, None)
         finally:
             _C.set_capturing(False)
             self._recorder = None
+        gc.collect()
+        # What is still alive is an output of the graph: replays write into
+        # it. The rest were intermediates, made again on every replay.
+        self._outputs = {
+            token: ref() for token, ref in recorder.made.items() if ref() is not None
+        }
+        self._inputs = recorder.inputs
+        self._tape = recorder.tape
         stats["captures"] += 1
 
     def replay(self) -> None:
-        if self._tape is None or self._recorder is not None:
+        if self._tape is None:
             raise RuntimeError("replay() of a SUPA graph that has not been captured")
-        for func, args, kwargs, out in self._tape:
-            _write_back(out, func(*args, **kwargs))
+        env: dict[int, torch.Tensor] = {}
+
+        def resolve(ref: _Ref) -> torch.Tensor:
+            token = ref.token
+            if token in env:
+                return env[token]
+            if token in self._inputs:
+                return self._inputs[token]
+            return self._outputs[token]
+
+        for func, spec, out_spec, _ in self._tape:
+            args, kwargs = tree_map_only(_Ref, resolve, spec)
+            fresh = func(*args, **kwargs)
+            refs, _ = tree_flatten(out_spec)
+            values, _ = tree_flatten(fresh)
+            for ref, value in zip(refs, values, strict=True):
+                if not isinstance(ref, _Ref):
+                    continue
+                captured = self._outputs.get(ref.token)
+                if captured is not None:
+                    _write_back(captured, value)
+                    env[ref.token] = captured
+                else:
+                    env[ref.token] = value
         stats["replays"] += 1
 
     def reset(self) -> None:
         self._tape = None
+        self._inputs, self._outputs = {}, {}
 
     def pool(self) -> Any:
         return self._pool
