@@ -123,11 +123,11 @@ def _serve_batches(llm, prompts, logprobs: int | None = None) -> dict[int, list]
 
 
 def _model_modes():
-    """Every mode on the tiny MoE; on SmolLM2 the default (compile) in the
-    default run and the graph modes in the slow tier (~75 s each there)."""
+    """Every mode on the tiny MoE in the default run; on SmolLM2 every mode
+    in the slow tier (~60-75 s each there)."""
     for name in ["smollm2", "tiny_qwen3_moe"]:
         for mode in MODES:
-            slow = name == "smollm2" and mode != "compile"
+            slow = name == "smollm2"
             marks = [pytest.mark.slow] if slow else []
             yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
 

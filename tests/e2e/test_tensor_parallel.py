@@ -184,6 +184,7 @@ def moe_tp2(tiny_qwen3_moe_dir, tmp_path_factory):
         yield holder
 
 
+@pytest.mark.slow  # a TP=2 engine in its own processes (~25 s)
 def test_moe_float32_tp2_matches_tp1(moe_tp1_tokens, moe_tp2, moe_prompts):
     llm = moe_tp2.get()
     workers = _assert_tp_engine(llm, 2)
@@ -211,6 +212,7 @@ def _vllm_processes() -> dict[str, object]:
     return found
 
 
+@pytest.mark.slow  # shares the TP=2 engine above
 def test_killed_worker_fails_the_engine_within_60s(moe_tp2, moe_prompts):
     """SIGKILL of TP worker 1 while the engine is generating: the engine core
     reports the failure, the next step raises EngineDeadError, and the

@@ -43,6 +43,7 @@ def _positive(d: dict, keys: list[str]) -> None:
         assert isinstance(d[k], (int, float)) and d[k] > 0, (k, d[k])
 
 
+@pytest.mark.slow  # engines in their own processes (~45 s): the harness, not the product
 def test_benchmark_runners_tiny(tiny_llama_dir, tmp_path):
     model = str(tiny_llama_dir)
     # 8 output tokens, not 4: LLM.generate hands requests to the engine-core
@@ -222,6 +223,7 @@ def test_decode_gemm_stream_tiny(tmp_path):
     )
 
 
+@pytest.mark.slow  # two engine start-ups in fresh processes (~25 s)
 def test_engine_startup_tiny(tiny_llama_dir, tmp_path):
     """engine_startup.py starts, uses and stops an engine in a fresh process
     and reports it (one build, one round), and its --phases mode splits a

@@ -236,7 +236,7 @@ else:
         assert proc.returncode == 0
         groups = {r["group"] for r in results}
         assert groups == {"ops", "attention", "graphs", "memory", "collectives", "e2e"}
-        collectives = [r for r in results if r["group"] == "collectives"]
-        assert collectives and all("SCCL" in r["detail"] for r in collectives), (
-            collectives
+        init = next(
+            r for r in results if r["group"] == "collectives" and r["name"] == "init"
         )
+        assert "communicator SUPACommunicator over SCCL" in init["detail"], init
