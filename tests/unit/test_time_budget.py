@@ -42,9 +42,11 @@ def test_within_budget_prints_time_and_ten_slowest(xeon):
 
 def test_over_budget_names_what_grew_most(xeon):
     tb.RECORD.write_text(json.dumps({"slow": {"tests": {"old": 100.0, "same": 50.0}}}))
-    # 17 min on the slowest host is 510 s here; 'old' grew from 50 s here
-    # to 120, 'new' did not exist.
-    timer = _timer(520, {"old": 120.0, "same": 25.0, "new": 30.0, "tiny": 0.5})
+    # The slow tier's budget on the slowest host, in this (x2.0) host's
+    # seconds, is exceeded; 'old' grew from 50 s here to 120, 'new' did not
+    # exist.
+    over_s = tb.BUDGET_MIN["slow"] * 60 / 2.0 + 10
+    timer = _timer(over_s, {"old": 120.0, "same": 25.0, "new": 30.0, "tiny": 0.5})
     lines, over = timer.report("slow", whole=True)
     assert over and "OVER BUDGET" in lines[1] and "not enforced" in lines[1]
     enforced, over = timer.report("slow", whole=True, enforce=True)
