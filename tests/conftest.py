@@ -71,6 +71,19 @@ def pytest_addoption(parser):
     )
 
 
+def pytest_collection_modifyitems(config, items):
+    """On the stand-in, skip what runs on the cpu backend whatever the device
+    (the ``cpu_backend`` marker): the default tier already ran it."""
+    from tests.fixtures import standin
+
+    if not standin.active():
+        return
+    skip = pytest.mark.skip(reason="cpu_backend: the default tier runs it")
+    for item in items:
+        if item.get_closest_marker("cpu_backend"):
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
     global _TIMER
     from tests.fixtures.time_budget import Timer

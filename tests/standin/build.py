@@ -74,6 +74,7 @@ def _compile_extension(out: Path) -> None:
         "-ltorch",
         "-ltorch_cpu",
         "-ltorch_python",
+        "-l:libgomp.so.1",
     ]
     subprocess.run(cmd, check=True)
 

@@ -211,6 +211,51 @@ else:
         b = torch.randn(32, 8, generator=g, dtype=torch.bfloat16)
         assert torch.equal((a.to("supa") @ b.to("supa")).cpu(), a @ b)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_sdpa_takes_the_fused_kernel_and_matches_the_formula(dtype):
+        """SDPA on supa runs one fused kernel, as torch_br's on a card, not
+        the math path op by op; with an additive mask it equals the plain
+        formula (float32 1e-5, bfloat16 2e-2: one rounding of the output)."""
+        import torch.nn.functional as F
+
+        g = torch.Generator().manual_seed(2)
+        q = torch.randn(2, 3, 130, 64, generator=g)
+        k = torch.randn(2, 3, 140, 64, generator=g)
+        v = torch.randn(2, 3, 140, 64, generator=g)
+        bias = torch.zeros(2, 1, 130, 140)
+        bias[0, ..., 100:] = float("-inf")
+        ref = torch.softmax(q @ k.transpose(-1, -2) * 0.125 + bias, -1) @ v
+        before = torch.supa.standin_counts()
+        got = F.scaled_dot_product_attention(
+            *(t.to(dtype).to("supa") for t in (q, k, v)),
+            attn_mask=bias.to(dtype).to("supa"),
+            scale=0.125,
+        )
+        after = torch.supa.standin_counts()
+        assert got.device.type == "supa" and got.dtype == dtype
+        assert after.get("sdpa.fused", 0) == before.get("sdpa.fused", 0) + 1
+        assert after.get("op.aten::bmm", 0) == before.get("op.aten::bmm", 0)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.cpu().float(), ref, atol=tol, rtol=tol)
+
+    def test_device_kernels_use_the_device_threads_not_the_hosts():
+        """vLLM drops torch to one host thread for serving; the stand-in's
+        kernels keep the device's own, and the host's setting is untouched."""
+        import os
+
+        env = os.environ.get("SUPA_STANDIN_THREADS") or os.environ.get(
+            "OMP_NUM_THREADS"
+        )
+        expected = int(env) if env else len(os.sched_getaffinity(0))
+        assert torch.supa.standin_device_threads() == expected
+        host = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.supa.standin_kernel_threads() == expected
+            assert torch.get_num_threads() == 1
+        finally:
+            torch.set_num_threads(host)
+
     @pytest.mark.slow
     def test_vllm_br_check_passes_on_the_standin():
         """`vllm-br check --json` on the stand-in: every check passes, memory

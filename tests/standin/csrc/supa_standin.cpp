@@ -22,6 +22,7 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/transformers/attention.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -35,6 +36,13 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include <sched.h>
+
+// OpenMP and MKL as torch links them (libgomp and the MKL in libtorch_cpu).
+extern "C" int omp_get_max_threads(void);
+extern "C" void omp_set_num_threads(int);
+extern "C" int mkl_set_num_threads_local_(const int*);  // the by-reference entry: the only one libtorch_cpu exports reliably
 
 namespace supa_standin {
 
@@ -529,6 +537,47 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage_storage_offset", set_source_storage_offset);
 }
 
+// ---- the device's own cores ------------------------------------------------
+//
+// A card computes with its own cores however many host threads torch has,
+// and vLLM drops torch to one host thread for serving (on a card host threads
+// only schedule work). The stand-in's device computes on the host, so its
+// kernels run with the device's threads: SUPA_STANDIN_THREADS, else
+// OMP_NUM_THREADS as the process got it (vLLM gives each multi-process worker
+// its share of the host that way), else every core this process may use.
+
+static int device_threads() {
+  static const int n = [] {
+    for (const char* var : {"SUPA_STANDIN_THREADS", "OMP_NUM_THREADS"}) {
+      const char* v = std::getenv(var);
+      if (v != nullptr && std::atoi(v) > 0) return std::atoi(v);
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return 1;
+  }();
+  return n;
+}
+
+struct DeviceThreads {
+  int host_omp = 0;
+  int host_mkl = 0;
+  bool changed = false;
+  DeviceThreads() {
+    host_omp = omp_get_max_threads();
+    changed = host_omp != device_threads();
+    if (!changed) return;
+    omp_set_num_threads(device_threads());
+    const int n = device_threads();
+    host_mkl = mkl_set_num_threads_local_(&n);
+  }
+  ~DeviceThreads() {
+    if (!changed) return;
+    omp_set_num_threads(host_omp);
+    mkl_set_num_threads_local_(&host_mkl);
+  }
+};
+
 // ---- the fallback: CPU kernels on aliases ---------------------------------
 
 // Ops a card also accepts with a CPU index or scalar operand.
@@ -639,6 +688,7 @@ static void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (has_out) {
     // An out= variant may resize its outputs: let PyTorch's own fallback copy
     // them to the host and back.
+    DeviceThreads threads;
     at::native::cpu_fallback(op, stack);
     return;
   }
@@ -652,7 +702,10 @@ static void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   for (size_t i = 0; i < nargs; ++i) (*stack)[begin + i] = map_tensors((*stack)[begin + i], to_alias);
 
-  op.callBoxed(stack);
+  {
+    DeviceThreads threads;
+    op.callBoxed(stack);
+  }
 
   auto back = [&](const at::Tensor& t) -> at::Tensor {
     if (!t.defined() || !t.device().is_cpu()) return t;
@@ -667,6 +720,51 @@ static void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+}
+
+// ---- fused attention: SDPA as torch_br gives it on a card -----------------
+//
+// Without a choice registered for the device, scaled_dot_product_attention
+// takes the math path: matmul, softmax and matmul through the fallback, one
+// op at a time (9x slower than CPU's flash kernel on a prefill shape). A
+// card's torch_br serves SDPA with its own fused kernel; here that is CPU's.
+
+static int64_t fused_sdp_choice(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+    std::optional<double> scale, bool enable_gqa) {
+  const bool fused = dropout_p == 0.0 && !enable_gqa && query.dim() == 4 &&
+      query.size(1) == key.size(1) && !query.requires_grad() &&
+      !key.requires_grad() && !value.requires_grad();
+  count(fused ? "sdpa.fused" : "sdpa.math");
+  return static_cast<int64_t>(fused ? at::SDPBackend::overrideable : at::SDPBackend::math);
+}
+
+static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt,
+                  at::Tensor, at::Tensor, at::Tensor>
+fused_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
+    bool return_debug_mask, std::optional<double> scale) {
+  const Device device = query.device();
+  std::optional<at::Tensor> mask;
+  if (attn_bias.has_value() && attn_bias->defined()) mask = cpu_alias(*attn_bias);
+  DeviceThreads threads;
+  auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(
+      cpu_alias(query), cpu_alias(key), cpu_alias(value), dropout_p, is_causal, mask, scale);
+  auto none = at::empty({0}, query.options());
+  return {to_device(out, device), to_device(lse, device), none, none,
+          c10::SymInt(query.size(2)), c10::SymInt(key.size(2)), none, none, none};
+}
+
+}  // namespace supa_standin
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &supa_standin::fused_sdp_choice)
+}  // namespace at::native
+namespace supa_standin {
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_scaled_dot_product_fused_attention_overrideable", fused_attention);
 }
 
 // ---- Python API (torch_br._C) ---------------------------------------------
@@ -720,6 +818,12 @@ static void reset_counts() {
   g_counts.clear();
 }
 
+// The intra-op threads a device kernel sees (the fallback's guard).
+static int kernel_threads() {
+  DeviceThreads threads;
+  return at::get_num_threads();
+}
+
 }  // namespace supa_standin
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -729,6 +833,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("current_device", [] { return int(t_device); });
   m.def("set_device", [](int64_t i) { check_index(i); t_device = DeviceIndex(i); });
   m.def("memory_stats", &memory_stats);
+  m.def("device_threads", &device_threads);
+  m.def("kernel_threads", &kernel_threads);
   m.def("reset_peak_memory_stats", &reset_peak);
   m.def("manual_seed", &manual_seed);
   m.def("initial_seed", &initial_seed);

@@ -300,3 +300,14 @@ def standin_counts() -> dict[str, int]:
 
 def reset_standin_counts() -> None:
     _C.reset_counts()
+
+
+def standin_device_threads() -> int:
+    """The threads the device computes with (SUPA_STANDIN_THREADS, else
+    OMP_NUM_THREADS, else the cores this process may use)."""
+    return _C.device_threads()
+
+
+def standin_kernel_threads() -> int:
+    """The intra-op threads a device kernel runs with, whatever the host's."""
+    return _C.kernel_threads()
