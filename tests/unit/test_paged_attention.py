@@ -250,7 +250,9 @@ def test_decodes_in_bounded_groups_equal_one_gather(monkeypatch, window, impl):
     plan = make_paged_attention_plan(case.qsl, case.seq_lens_t)
     grouped = case.run(plan=plan, sliding_window=window)
     assert calls == [1] * len(SEQ_LENS)
-    assert torch.equal(grouped, whole)
+    # Same math on fewer rows: a GEMM over a smaller batch may take another
+    # blocking and round the last bit differently (seen on AMD EPYC hosts).
+    torch.testing.assert_close(grouped, whole, rtol=1e-6, atol=1e-6)
     check(case, grouped, case.reference(sliding_window=window))
 
 
