@@ -270,7 +270,9 @@ _VARS: dict[str, EnvVar] = {
             "~/.cache/vllm-br/kernels",
             _path,
             "a folder path",
-            "Folder where the cpu backend keeps its compiled host kernels.",
+            "Folder where the cpu backend keeps its compiled host kernels "
+            "(created private to the user; only libraries the user built "
+            "there are loaded).",
         ),
     ]
 }

@@ -5,7 +5,8 @@ showed a reference far from what the host can do; those ops get a small C++
 kernel here, checked against the reference by the unit tests. The library is
 compiled once per source, compiler and CPU (``-march=native``, less what
 ``ONEDNN_MAX_CPU_ISA`` caps: ``vllm_br.device.cpu_isa``) into
-``VLLM_BR_KERNEL_CACHE`` and loaded with ctypes. It links the process's
+``VLLM_BR_KERNEL_CACHE`` and loaded with ctypes, only from a cache entry no
+other user could have planted (``vllm_br.device.kernel_cache``). It links the process's
 libgomp (the one torch loaded), so its OpenMP threads are torch's.
 
 Without a compiler the C++ ops run their references and a warning says
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from vllm_br import envs
-from vllm_br.device import cpu_isa
+from vllm_br.device import cpu_isa, kernel_cache
 from vllm_br.logger import init_logger
 
 logger = init_logger(__name__)
@@ -68,31 +69,41 @@ def _library_path(compiler: str) -> Path:
     )
 
 
-def _build(compiler: str, target: Path) -> None:
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _compile(compiler: str, output: Path) -> None:
     here = Path(__file__).resolve().parent
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build into a temporary file and rename: workers of one engine may build
-    # at the same time, and a reader must never see a half-written library.
+    cmd = [compiler, *_flags(), "-o", str(output), *(str(here / s) for s in _SOURCES)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr.strip()[-2000:])
+
+
+def _build(compiler: str, target: Path) -> None:
+    # Build into a temporary file and install it by rename: workers of one
+    # engine may build at the same time, and a reader must never see a
+    # half-written library.
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [compiler, *_flags(), "-o", tmp, *(str(here / s) for s in _SOURCES)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(res.stderr.strip()[-2000:])
-        os.replace(tmp, target)
+        _compile(compiler, Path(tmp))
+        kernel_cache.install(Path(tmp), target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, tmp + ".sha256"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (then the references run)."""
+    """The compiled kernels, or None (then the references run). Loaded only
+    from a trusted cache entry (``vllm_br.device.kernel_cache``)."""
     if not envs.VLLM_BR_CPU_KERNELS:
         logger.info("VLLM_BR_CPU_KERNELS=0: the cpu backend runs reference ops only.")
         return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = _compiler()
     if compiler is None:
         logger.warning(
             "No C++ compiler (g++/c++ or $CXX) was found, so the cpu backend runs "
@@ -100,12 +111,12 @@ def load_library() -> ctypes.CDLL | None:
         )
         return None
     try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _build(compiler, path)
-            logger.info("Built the cpu backend's kernels into %s.", path)
         torch.ops  # noqa: B018 - torch (and its libgomp) is loaded first
-        lib = ctypes.CDLL(str(path))
+        return kernel_cache.load_or_build(
+            _library_path(compiler),
+            functools.partial(_build, compiler),
+            _declare,
+        )
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning(
             "Building the cpu backend's kernels failed, so it runs the slower "
@@ -113,8 +124,6 @@ def load_library() -> ctypes.CDLL | None:
             e,
         )
         return None
-    _declare(lib)
-    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
