@@ -142,8 +142,9 @@ _VARS: dict[str, EnvVar] = {
             None,
             _int(0),
             "an integer >= 0",
-            "Number of devices that use the fused allreduce; unset means "
-            "auto-detected from the P2P topology, 0 disables it.",
+            "Number of devices a fused P2P allreduce would span; unset means "
+            "auto-detected from the P2P topology, 0 disables it. No fused "
+            "kernel exists yet: the allreduce runs on SCCL either way.",
         ),
         EnvVar(
             "VLLM_BR_USE_FP32_ALL_REDUCE",

@@ -156,6 +156,16 @@ def test_reasons_name_the_cause():
     assert "float32" in decide(full(2), AllReduceSettings(fp32_reduce=True)).describe()
 
 
+def test_log_says_what_runs():
+    """No fused kernel exists: the start-up line never claims one runs."""
+    fused = decide(full(8), AUTO).describe()
+    assert "on the device collective library" in fused
+    assert "none is implemented yet" in fused and "0..7" in fused
+    assert "fused over" not in fused
+    host = decide(full(8), AllReduceSettings(host_reduce=True)).describe()
+    assert host.startswith("SUPA allreduce: on the host (gloo)")
+
+
 def test_settings_from_env(monkeypatch):
     for name in (
         "VLLM_BR_USE_FUSED_ALLREDUCE",

@@ -63,14 +63,20 @@ class AllReduceDecision:
         return self.fused and 2 <= group_size <= self.fused_devices
 
     def describe(self) -> str:
+        """What runs, for the start-up log. No fused kernel exists yet, so a
+        fused decision says where one would apply and that SCCL runs."""
         if self.host_reduce:
-            where = "on the host (gloo)"
+            where = f"on the host (gloo) ({self.reason})"
         elif self.fused:
-            where = f"fused over up to {self.fused_devices} devices"
+            where = (
+                "on the device collective library; a fused P2P allreduce would "
+                f"apply to groups within devices 0..{self.fused_devices - 1} "
+                f"({self.reason}) but none is implemented yet"
+            )
         else:
-            where = "on the device collective library"
+            where = f"on the device collective library (fused: no, {self.reason})"
         precision = "; bfloat16 reduced in float32" if self.fp32_reduce else ""
-        return f"SUPA allreduce: {where}{precision} ({self.reason})."
+        return f"SUPA allreduce: {where}{precision}."
 
 
 def p2p_clique_prefix(topology: Topology) -> int:
