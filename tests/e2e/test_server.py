@@ -46,6 +46,26 @@ def test_health_and_models(server, client):
     assert f"SUPA platform active on the {device} backend" in log_path.read_text()
 
 
+def test_server_runs_with_secure_serialization(server):
+    """The test session sets VLLM_ALLOW_INSECURE_SERIALIZATION for its own
+    engines; the server and its engine processes run without it, as a
+    user's do."""
+    import psutil
+
+    port = server[0].rsplit(":", 1)[1]
+    (proc,) = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"]
+        and "serve" in p.info["cmdline"]
+        and port in p.info["cmdline"]
+    ]
+    family = [proc, *proc.children(recursive=True)]
+    assert len(family) >= 2  # the API server and its engine core
+    for p in family:
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in p.environ(), p.cmdline()
+
+
 def test_completion(client):
     out = client.completions.create(
         model=MODEL_NAME, prompt="The capital of France is", max_tokens=8, temperature=0
