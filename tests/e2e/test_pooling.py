@@ -206,6 +206,8 @@ def test_minilm_embed_offline(minilm_dir, minilm_reference):
     assert_encoder_on_supa(facts, num_layers=6, forwards=1)
 
 
+@pytest.mark.slow  # a vllm serve of its own (~19 s); the offline test above
+# checks the same engine and embeddings in the default tier.
 def test_minilm_embeddings_server(minilm_dir, minilm_reference, tmp_path):
     import openai
 
