@@ -135,7 +135,8 @@ _VARS: dict[str, EnvVar] = {
             "INT8",
             _choice("INT8"),
             "INT8",
-            "Quantization method used for quantized checkpoints.",
+            "Quantization method for quantized checkpoints; validated but not "
+            "yet read: the plugin does not serve quantized checkpoints yet.",
         ),
         EnvVar(
             "VLLM_BR_USE_FUSED_ALLREDUCE",
