@@ -9,7 +9,7 @@ import os
 import pytest
 import requests
 
-from tests.fixtures.server import vllm_server
+from tests.fixtures.server import server_processes, vllm_server
 
 pytestmark = pytest.mark.e2e
 
@@ -50,17 +50,7 @@ def test_server_runs_with_secure_serialization(server):
     """The test session sets VLLM_ALLOW_INSECURE_SERIALIZATION for its own
     engines; the server and its engine processes run without it, as a
     user's do."""
-    import psutil
-
-    port = server[0].rsplit(":", 1)[1]
-    (proc,) = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"]
-        and "serve" in p.info["cmdline"]
-        and port in p.info["cmdline"]
-    ]
-    family = [proc, *proc.children(recursive=True)]
+    family = server_processes(server[0])
     assert len(family) >= 2  # the API server and its engine core
     for p in family:
         assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in p.environ(), p.cmdline()

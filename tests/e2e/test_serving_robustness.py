@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import time
 
@@ -31,7 +30,7 @@ import psutil
 import pytest
 import requests
 
-from tests.fixtures.server import vllm_server
+from tests.fixtures.server import metric, server_processes, vllm_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cpu_backend]
 
@@ -53,24 +52,13 @@ def server(tiny_llama_dir, tmp_path_factory):
         yield base
 
 
-def _metric(base: str, name: str) -> float:
-    """Sum of a metric's samples on /metrics (all label sets)."""
-    text = requests.get(f"{base}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"{re.escape(name)}(\{{.*?\}})? (\S+)$", line)
-        if m:
-            total += float(m.group(2))
-    return total
-
-
 def _idle(base: str, timeout_s: float = 30) -> dict[str, float]:
     """Wait until nothing runs or waits and the KV cache is empty; the
     gauges as last read."""
     deadline = time.time() + timeout_s
     while True:
         gauges = {
-            name: _metric(base, name)
+            name: metric(base, name)
             for name in (
                 "vllm:num_requests_running",
                 "vllm:num_requests_waiting",
@@ -119,7 +107,7 @@ def test_64_concurrent_streams_each_end_once_with_max_tokens(server):
     import httpx
 
     max_tokens = 16
-    before = _metric(server, "vllm:request_success_total")
+    before = metric(server, "vllm:request_success_total")
 
     async def run():
         async with httpx.AsyncClient(base_url=server, timeout=120) as client:
@@ -135,13 +123,13 @@ def test_64_concurrent_streams_each_end_once_with_max_tokens(server):
         assert len(res["ids"]) == 1, (i, res["ids"])
     ids = [next(iter(r["ids"])) for r in results]
     assert len(set(ids)) == 64  # no request answered twice
-    assert _metric(server, "vllm:request_success_total") - before == 64
+    assert metric(server, "vllm:request_success_total") - before == 64
 
 
 def test_dropped_streams_and_abandoned_requests_free_every_kv_block(server):
     import httpx
 
-    before = _metric(server, "vllm:request_success_total")
+    before = metric(server, "vllm:request_success_total")
 
     async def drop_after_chunks(client, i: int) -> int:
         body = {"model": MODEL, "prompt": f"Dropped {i}:", "max_tokens": 400,
@@ -181,7 +169,7 @@ def test_dropped_streams_and_abandoned_requests_free_every_kv_block(server):
         "vllm:kv_cache_usage_perc": 0,
     }
     # Aborted, not run to their 400 tokens: none of them finished.
-    assert _metric(server, "vllm:request_success_total") == before
+    assert metric(server, "vllm:request_success_total") == before
     # And the server serves the next request in full.
     r = requests.post(
         f"{server}/v1/completions", headers=AUTH, timeout=60,
@@ -211,14 +199,14 @@ def test_preempted_requests_recompute_the_same_greedy_tokens(server):
     prompts = prompt_token_ids_of_lengths(512, [100] * 16, seed=7)
     max_tokens = 180  # 100 + 180 tokens: 3 blocks of 128
 
-    preempted = _metric(server, "vllm:num_preemptions_total")
+    preempted = metric(server, "vllm:num_preemptions_total")
     with ThreadPoolExecutor(4) as pool:
         calm = list(pool.map(lambda p: _greedy(server, p, max_tokens), prompts))
-    assert _metric(server, "vllm:num_preemptions_total") == preempted, "not unpressured"
+    assert metric(server, "vllm:num_preemptions_total") == preempted, "not unpressured"
 
     with ThreadPoolExecutor(16) as pool:
         pressed = list(pool.map(lambda p: _greedy(server, p, max_tokens), prompts))
-    assert _metric(server, "vllm:num_preemptions_total") > preempted, "no preemption"
+    assert metric(server, "vllm:num_preemptions_total") > preempted, "no preemption"
     assert pressed == calm
     assert _idle(server)["vllm:kv_cache_usage_perc"] == 0
 
@@ -303,15 +291,8 @@ def test_killed_engine_core_ends_streams_and_the_server(server):
     """Last in the module: it ends the server."""
     import httpx
 
-    port = server.rsplit(":", 1)[1]
-    (api,) = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"]
-        and "serve" in p.info["cmdline"]
-        and port in p.info["cmdline"]
-    ]
-    family = [api, *api.children(recursive=True)]
+    family = server_processes(server)
+    api = family[0]
     (core,) = [p for p in family if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
 
     async def stream_until_error() -> str:
