@@ -115,8 +115,9 @@ def load_trusted(library: Path) -> ctypes.CDLL:
 
 def install(built: Path, library: Path) -> None:
     """Move a freshly built ``built`` to ``library``, private to this user,
-    with its hash recorded beside it. Both land by rename, so a concurrent
-    reader sees the old pair or the new one, never half a file."""
+    with its hash recorded beside it. Each lands by rename, so a concurrent
+    reader never sees half a file; one that reads between the two renames
+    sees a hash that does not match and rebuilds (one warning)."""
     built.chmod(0o700)
     fd = os.open(built, os.O_RDONLY)
     try:
