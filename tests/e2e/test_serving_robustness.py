@@ -72,7 +72,7 @@ def _idle(base: str, timeout_s: float = 30) -> dict[str, float]:
 
 async def _stream(client, i: int, max_tokens: int) -> dict:
     """One streaming request (completion for even i, chat for odd): its ids,
-    finish reasons, usage and the number of chunks with text."""
+    finish reasons, usage and whether it ended with [DONE]."""
     chat = i % 2 == 1
     body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True,
@@ -83,7 +83,7 @@ async def _stream(client, i: int, max_tokens: int) -> dict:
     else:
         body["prompt"] = f"Stream {i}: once upon a time"
         path = "/v1/completions"
-    out = {"ids": set(), "finish": [], "usage": None, "chunks": 0, "done": False}
+    out = {"ids": set(), "finish": [], "usage": None, "done": False}
     async with client.stream("POST", path, json=body, headers=AUTH) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
