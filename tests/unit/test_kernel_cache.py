@@ -10,6 +10,7 @@ so without the checks they would load and nothing would be rebuilt."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -62,8 +63,6 @@ def _assert_trusted(library: Path) -> None:
     assert st.st_uid == os.geteuid()
     assert not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     recorded = library.with_name(library.name + ".sha256").read_text().strip()
-    import hashlib
-
     assert hashlib.sha256(library.read_bytes()).hexdigest() == recorded
 
 
@@ -96,7 +95,7 @@ def test_existing_group_writable_folder_of_ours_is_made_private(cache):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's file needs root")
-def test_foreign_library_is_rebuilt(cache, built_library, caplog):
+def test_foreign_library_is_rebuilt(cache, caplog):
     library = _plant(cache)
     os.chown(library, 65534, 65534)  # nobody
     with caplog.at_level(logging.WARNING, logger="vllm"):
@@ -107,7 +106,7 @@ def test_foreign_library_is_rebuilt(cache, built_library, caplog):
     _assert_trusted(library)
 
 
-def test_world_writable_library_is_rebuilt(cache, built_library, caplog):
+def test_world_writable_library_is_rebuilt(cache, caplog):
     library = _plant(cache)
     library.chmod(0o777)
     with caplog.at_level(logging.WARNING, logger="vllm"):
@@ -117,7 +116,7 @@ def test_world_writable_library_is_rebuilt(cache, built_library, caplog):
     _assert_trusted(library)
 
 
-def test_library_whose_content_changed_is_rebuilt(cache, built_library, caplog):
+def test_library_whose_content_changed_is_rebuilt(cache, caplog):
     library = _plant(cache)
     with open(library, "ab") as f:
         f.write(b"\0planted")
@@ -128,7 +127,7 @@ def test_library_whose_content_changed_is_rebuilt(cache, built_library, caplog):
     _assert_trusted(library)
 
 
-def test_library_without_recorded_hash_is_rebuilt(cache, built_library, caplog):
+def test_library_without_recorded_hash_is_rebuilt(cache, caplog):
     library = _plant(cache)
     library.with_name(library.name + ".sha256").unlink()
     with caplog.at_level(logging.WARNING, logger="vllm"):
@@ -138,7 +137,7 @@ def test_library_without_recorded_hash_is_rebuilt(cache, built_library, caplog):
     _assert_trusted(library)
 
 
-def test_symbolic_link_is_rebuilt(cache, built_library, caplog):
+def test_symbolic_link_is_rebuilt(cache, caplog):
     library = _plant(cache)
     elsewhere = cache.path.parent / "elsewhere.so"
     shutil.copyfile(library, elsewhere)
