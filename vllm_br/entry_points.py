@@ -126,9 +126,11 @@ def register_everything() -> None:
     from vllm_br.layers import register_all as register_layers
     from vllm_br.models import register_models
     from vllm_br.patches import apply_all as apply_patches
+    from vllm_br.quantization import register as register_quant_kernels
 
     compat.check_vllm_version()
     register_attention_backends()
     register_layers()
+    register_quant_kernels()
     register_models()
     apply_patches()

@@ -133,10 +133,12 @@ _VARS: dict[str, EnvVar] = {
         EnvVar(
             "VLLM_BR_QUANT_METHOD",
             "INT8",
-            _choice("INT8"),
-            "INT8",
-            "Quantization method for quantized checkpoints; validated but not "
-            "yet read: the plugin does not serve quantized checkpoints yet.",
+            _choice("INT8", "INT4"),
+            "INT8 | INT4",
+            "How quantized checkpoints hold their weights on the device: INT8 "
+            "serves every supported int8 and int4 checkpoint, int4 weights "
+            "widened to int8 (exact); INT4 keeps int4 weights packed two per "
+            "byte and refuses int8 checkpoints. Unquantized models are unaffected.",
         ),
         EnvVar(
             "VLLM_BR_USE_FUSED_ALLREDUCE",

@@ -17,6 +17,7 @@ from vllm_br import device, envs
 from vllm_br.attention import SUPA_BLOCK_SIZE, SUPA_FLASH_ATTN_PATH, SUPA_FLASH_MLA_PATH
 from vllm_br.errors import SUPAConfigError
 from vllm_br.logger import init_logger
+from vllm_br.quantization import scheme as quant_scheme
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,7 +63,8 @@ class SUPAPlatform(Platform):
     ray_device_key: str = "SUPA"
     ray_noset_device_env_vars = ["RAY_EXPERIMENTAL_NOSET_SUPA_VISIBLE_DEVICES"]
     simple_compile_backend: str = "eager"
-    supported_quantization: list[str] = []
+    # What vllm_br.quantization serves; vLLM refuses other methods.
+    supported_quantization: list[str] = list(quant_scheme.SUPPORTED_METHODS)
     additional_env_vars = envs.names()
 
     #: "supa" or "cpu": which device backend serves this platform
@@ -117,6 +119,11 @@ class SUPAPlatform(Platform):
         # vLLM asks while importing (PIN_MEMORY): the class-attribute backend
         # answers, so a bad VLLM_BR_DEVICE still ends in its one sentence.
         return _BACKEND.pinned_host_memory
+
+    @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        if quant not in cls.supported_quantization:
+            raise quant_scheme.unsupported_method_error(quant)
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
@@ -359,6 +366,7 @@ def _apply_model_policy(vllm_config: VllmConfig) -> None:
     if model_config is None:
         return
     SUPAPlatform.check_if_supports_dtype(model_config.dtype)
+    quant_scheme.check_checkpoint(model_config)
     if vllm_config.lora_config is not None:
         SUPAPlatform.get_punica_wrapper()
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from vllm_br.device.cpu_kernels import bf16_gemm as matmul
 from vllm_br.device.cpu_kernels.bf16_gemm import compute_logits
-from vllm_br.layers import weight_layout as wl
-from vllm_br.layers.weight_layout import NUMA, DeviceLayout
+from vllm_br.ops import weight_layout as wl
 from vllm_br.ops.linear import linear as reference_linear
+from vllm_br.ops.weight_layout import NUMA, DeviceLayout
 
 THREADS = 2  # what the tests pin torch.get_num_threads() to
 LINEAR_MAX = matmul.NATIVE_ROWS_PER_THREAD * THREADS  # native up to here (4)

@@ -12,9 +12,9 @@ from vllm.model_executor import custom_op
 from vllm.platforms import current_platform
 
 from vllm_br import layers as br_layers
-from vllm_br.layers import weight_layout as wl
-from vllm_br.layers.weight_layout import NUMA, UMA, DeviceLayout
 from vllm_br.ops import linear as linear_op
+from vllm_br.ops import weight_layout as wl
+from vllm_br.ops.weight_layout import NUMA, UMA, DeviceLayout
 
 br_layers.register_all()
 

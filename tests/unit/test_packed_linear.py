@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from vllm_br.device import get_backend
 from vllm_br.device.cpu_kernels import bf16_gemm, gemv
 from vllm_br.device.cpu_kernels import packed_linear as pl
-from vllm_br.layers import weight_layout as wl
-from vllm_br.layers.weight_layout import NUMA, DeviceLayout
 from vllm_br.ops import embedding
 from vllm_br.ops import linear as linear_op
+from vllm_br.ops import weight_layout as wl
 from vllm_br.ops.registry import with_fallback
+from vllm_br.ops.weight_layout import NUMA, DeviceLayout
 
 # The kernels as the op registry binds them: a declined call runs the op's
 # reference.

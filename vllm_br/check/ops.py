@@ -313,7 +313,7 @@ def _check_greedy_sample(ctx, dtype, tol):
 
 
 def _check_linear(ctx, dtype, tol):
-    from vllm_br.layers.weight_layout import DeviceLayout
+    from vllm_br.ops.weight_layout import DeviceLayout
 
     m = op_measure(tol, "linear")
     g = generator(13)

@@ -42,11 +42,10 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.utils import is_weights_pre_processed
 
-from vllm_br.layers import weight_layout
 from vllm_br.layers._oot import logger, register_oot
 from vllm_br.layers.matmul_weights import MATMUL_WEIGHT
-from vllm_br.layers.weight_layout import DeviceLayout
-from vllm_br.ops import get_op
+from vllm_br.ops import get_op, weight_layout
+from vllm_br.ops.weight_layout import DeviceLayout
 
 
 class SUPAUnquantizedLinearMethod(UnquantizedLinearMethod):

@@ -2,7 +2,7 @@
 ``prepare_gemm_weight`` hook a device uses to prepare GEMM weights once.
 
 A weight may be stored in the device's layout (``layout``: a
-``vllm_br.layers.weight_layout.DeviceLayout``, the per-die NUMA order of a
+``vllm_br.ops.weight_layout.DeviceLayout``, the per-die NUMA order of a
 two-die card), and a device whose matmul is slow in the model dtype may keep
 a wider copy of it (``matmul_weight``, ``vllm_br.layers.matmul_weights``).
 The references here define what every kernel computes.
