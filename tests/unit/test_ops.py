@@ -111,7 +111,7 @@ def test_a_declining_kernel_falls_back_to_the_reference(fake_backend):
 
 def test_cpu_backend_binds_only_its_host_kernels():
     from vllm_br.device import cpu
-    from vllm_br.device.cpu_kernels import bf16_gemm, packed_linear
+    from vllm_br.device.cpu_kernels import bf16_gemm, int8_gemm, packed_linear
     from vllm_br.device.cpu_kernels import paged_attention as cpu_pa
     from vllm_br.ops import paged_attention, sampling  # noqa: F401  (register)
 
@@ -122,6 +122,7 @@ def test_cpu_backend_binds_only_its_host_kernels():
         "greedy_sample": cpu.greedy_sample,
         "linear": bf16_gemm.linear,
         "compute_logits": bf16_gemm.compute_logits,
+        "int8_scaled_mm": int8_gemm.int8_scaled_mm,
     }
     if packed_linear.host_supported():  # GEMMs on oneDNN-prepacked weights
         host["linear"] = packed_linear.linear

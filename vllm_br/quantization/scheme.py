@@ -95,7 +95,8 @@ def checkpoint_weight_bits(
             "This compressed-tensors checkpoint has no config_groups to quantize "
             f"with, which SUPA does not serve; serve {SERVED}."
         )
-    return " + ".join(sorted(found)), min(found.values())
+    # The widest weights decide: an int8 group cannot be held in four bits.
+    return " + ".join(sorted(found)), max(found.values())
 
 
 def check_checkpoint(model_config: Any) -> int | None:

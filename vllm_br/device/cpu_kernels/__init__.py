@@ -155,8 +155,9 @@ def fused_kernels() -> dict[str, object]:
     kernels (none without it), the GEMMs on oneDNN-prepacked weights on hosts
     with fast bf16 (``packed_linear``: torch's own oneDNN, so bound without a
     compiler too), and GEMMs on float32 weight copies chosen per call
-    (``bf16_gemm``, where the host has no fast bf16). ``VLLM_BR_CPU_KERNELS=0``
-    binds neither the C++ kernels nor the packed GEMMs. Each kernel declines
+    (``bf16_gemm``, where the host has no fast bf16), and int8 GEMMs on
+    torch's ``_int_mm`` (``int8_gemm``). ``VLLM_BR_CPU_KERNELS=0`` binds
+    neither the C++ kernels nor the packed or int8 GEMMs. Each kernel declines
     what it does not handle (the reference runs)."""
     from vllm_br.device.cpu_kernels import bf16_gemm
 
@@ -171,7 +172,9 @@ def fused_kernels() -> dict[str, object]:
         kernels["paged_attention_prefill"] = paged_attention.prefill
         kernels["reshape_and_cache"] = paged_attention.reshape_and_cache
     if envs.VLLM_BR_CPU_KERNELS:
-        from vllm_br.device.cpu_kernels import packed_linear
+        from vllm_br.device.cpu_kernels import int8_gemm, packed_linear
+
+        kernels["int8_scaled_mm"] = int8_gemm.int8_scaled_mm
 
         if packed_linear.host_supported():
             kernels["linear"] = packed_linear.linear

@@ -1,0 +1,276 @@
+"""vllm_br.ops.quant and the cpu kernel of ``int8_scaled_mm``: each op against
+a plain-PyTorch formula written here (integer sums in int64, float results in
+float64), never against the op's own helpers.
+
+Tolerances: int32 parts (unit scales) are exact. float32 outputs: atol 1e-5 /
+rtol 1.3e-6 (a few float32 roundings on outputs of magnitude ~1). bfloat16
+outputs of ``int8_scaled_mm``: atol 1e-5 / rtol 4e-3 (the float32 result is
+rounded once to bf16, relative error <= 2^-9). The cpu kernel against the
+reference: int32 parts bitwise, scaled outputs to 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_br.device.cpu_kernels import int8_gemm
+from vllm_br.ops import quant, reference_op
+from vllm_br.ops.weight_layout import NUMA, DeviceLayout, to_device_layout
+
+DTYPES = [torch.float32, torch.bfloat16]
+FP32_TOL = {"atol": 1e-5, "rtol": 1.3e-6}
+MM_BF16_TOL = {"atol": 1e-5, "rtol": 4e-3}
+# weight_only_linear rounds the dequantized weight to bf16 once (2^-9 relative
+# per element, summed over K=128) and the output once more: bf16 needs more.
+WOL_BF16_TOL = {"atol": 2e-2, "rtol": 1.6e-2}
+SHAPES = [(m, k, n) for m in (1, 3, 17) for k, n in ((40, 37), (100, 96))]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def i8(*shape: int, lo: int = -128, hi: int = 127) -> torch.Tensor:
+    return torch.randint(lo, hi + 1, shape, dtype=torch.int8)
+
+
+def scales(*shape: int, base: float) -> torch.Tensor:
+    return (torch.rand(shape) + 0.5) * base
+
+
+def exact_mm(x_q, w, zp=None) -> torch.Tensor:
+    x = x_q.to(torch.int64) - (0 if zp is None else zp.to(torch.int64))
+    return x @ w.to(torch.int64).T
+
+
+# ---- int8_scaled_mm ------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, int8_gemm.int8_scaled_mm])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_int8_mm_unit_scales_is_exact(fn, m, k, n):
+    # |sum| <= K * 128^2 <= 1.7e6 < 2^24: float32 holds every sum exactly.
+    x_q, w = i8(m, k), i8(n, k)
+    out = fn(x_q, w, torch.ones(m, 1), torch.ones(n), torch.float32)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, exact_mm(x_q, w).float())
+
+
+@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, int8_gemm.int8_scaled_mm])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_int8_mm_scales_and_bias(fn, dtype, m, k, n):
+    x_q, w = i8(m, k), i8(n, k)
+    xs, ws, bias = scales(m, 1, base=1e-2), scales(n, base=1e-3), torch.randn(n)
+    out = fn(x_q, w, xs, ws, dtype, bias=bias.to(dtype))
+    expected = exact_mm(x_q, w).double() * xs.double() * ws.double()
+    expected = expected + bias.to(dtype).double()
+    assert out.dtype == dtype
+    tol = FP32_TOL if dtype == torch.float32 else MM_BF16_TOL
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+def test_int8_mm_per_tensor_scale():
+    x_q, w, ws = i8(5, 64), i8(24, 64), scales(24, base=1e-3)
+    out = quant.int8_scaled_mm(x_q, w, torch.tensor(0.02), ws, torch.float32)
+    expected = exact_mm(x_q, w).double() * 0.02 * ws.double()
+    torch.testing.assert_close(out.double(), expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_int8_mm_activation_zero_point(m, k, n):
+    x_q, w = i8(m, k), i8(n, k)
+    zp = torch.randint(-20, 21, (m, 1), dtype=torch.int32)
+    # Unit scales: exact ((x - zp) @ w.T, |sum| < 2^24).
+    out = quant.int8_scaled_mm(
+        x_q, w, torch.ones(m, 1), torch.ones(n), torch.float32, x_zero_point=zp
+    )
+    assert torch.equal(out.to(torch.int64), exact_mm(x_q, w, zp))
+    xs, ws = scales(m, 1, base=1e-2), scales(n, base=1e-3)
+    out = quant.int8_scaled_mm(x_q, w, xs, ws, torch.float32, x_zero_point=zp)
+    expected = exact_mm(x_q, w, zp).double() * xs.double() * ws.double()
+    torch.testing.assert_close(out.double(), expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_kernel_matches_reference(dtype):
+    assert reference_op("int8_scaled_mm") is quant.int8_scaled_mm
+    x_q, w = i8(17, 100), i8(96, 100)
+    ones = (torch.ones(17, 1), torch.ones(96))
+    kernel = int8_gemm.int8_scaled_mm(x_q, w, *ones, torch.float32)
+    assert torch.equal(kernel, quant.int8_scaled_mm(x_q, w, *ones, torch.float32))
+    args = (x_q, w, scales(17, 1, base=1e-2), scales(96, base=1e-3), dtype)
+    bias = torch.randn(96, dtype=dtype)
+    kernel = int8_gemm.int8_scaled_mm(*args, bias=bias)
+    torch.testing.assert_close(
+        kernel, quant.int8_scaled_mm(*args, bias=bias), atol=0, rtol=1e-6
+    )
+
+
+def test_cpu_kernel_declines_activation_zero_point():
+    x_q, w = i8(3, 40), i8(37, 40)
+    zp = torch.zeros(3, 1, dtype=torch.int32)
+    out = int8_gemm.int8_scaled_mm(
+        x_q, w, torch.ones(3, 1), torch.ones(37), torch.float32, x_zero_point=zp
+    )
+    assert out is NotImplemented
+
+
+# ---- quantize_int8 -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_dynamic_symmetric(dtype):
+    x = torch.randn(17, 100, dtype=dtype) * 3
+    x[5] = 0  # an all-zero row quantizes to zeros, not NaN
+    q, s, zp = quant.quantize_int8(x)
+    assert q.dtype == torch.int8 and q.shape == x.shape and zp is None
+    expected_s = x.float().abs().amax(dim=-1, keepdim=True) / 127
+    nonzero = torch.arange(17) != 5
+    torch.testing.assert_close(s[nonzero], expected_s[nonzero], atol=0, rtol=1e-6)
+    assert torch.equal(q[5], torch.zeros(100, dtype=torch.int8))
+    assert (q[nonzero].abs().amax(dim=-1) == 127).all()  # the row max maps to 127
+    err = (q.double() * s.double() - x.double()).abs()
+    assert (err <= s.double() * (0.5 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero", [None, 5])
+def test_quantize_static(dtype, zero):
+    s = torch.tensor(0.0625)  # a power of two: x / s is exact in every dtype
+    x = (torch.randn(9, 64) * 6).to(dtype)  # |x / s| reaches past 128: clamped
+    zp = None if zero is None else torch.tensor(zero, dtype=torch.int32)
+    q, s_out, zp_out = quant.quantize_int8(x, scale=s, zero_point=zp)
+    expected = torch.round(x.double() / 0.0625) + (zero or 0)
+    assert q.dtype == torch.int8
+    assert torch.equal(q, expected.clamp(-128, 127).to(torch.int8))
+    assert (q == 127).any() and (q == -128).any()
+    assert s_out.item() == 0.0625
+    assert zp_out is None if zero is None else zp_out.item() == zero
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_dynamic_asymmetric(dtype):
+    x = (torch.randn(17, 100) + torch.linspace(-2, 2, 17)[:, None]).to(dtype)
+    q, s, zp = quant.quantize_int8(x, symmetric=False)
+    assert q.dtype == torch.int8 and zp.dtype == torch.int32 and zp.shape == (17, 1)
+    xd = x.double()
+    lo = xd.amin(-1, keepdim=True).clamp(max=0)  # the range always holds 0
+    hi = xd.amax(-1, keepdim=True).clamp(min=0)
+    torch.testing.assert_close(s.double(), (hi - lo) / 255, atol=0, rtol=1e-6)
+    err = ((q.double() - zp.double()) * s.double() - xd).abs()
+    assert (err <= s.double() * (0.5 + 1e-4)).all()
+
+
+# ---- weight_only_linear --------------------------------------------------
+
+K, N, M = 128, 48, 5
+
+
+def wol_case(bits: int, group: int, asym: bool):
+    """(packed or int8 weight, scales, zeros, float64 weight [N, K])."""
+    lo, hi = (-8, 7) if bits == 4 else (-128, 127)
+    q = i8(N, K, lo=lo, hi=hi)
+    groups = 1 if group == -1 else K // group
+    s = scales(N, groups, base=1e-3 if bits == 8 else 2e-2)
+    z = i8(N, groups, lo=lo // 2, hi=hi // 2) if asym else None
+    per_group = K // groups  # expand [N, groups] to [N, K]: column k is group k // g
+    zk = 0 if z is None else z.double().repeat_interleave(per_group, dim=1)
+    w = (q.double() - zk) * s.double().repeat_interleave(per_group, dim=1)
+    stored = quant.pack_int4(q) if bits == 4 else q
+    return stored, (s.view(N) if group == -1 else s), z, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("bits,group", [(8, -1), (8, 32), (4, 32), (4, -1)])
+def test_weight_only_linear(dtype, asym, bits, group):
+    stored, s, z, w = wol_case(bits, group, asym)
+    x, bias = torch.randn(M, K, dtype=dtype), torch.randn(N, dtype=dtype)
+    out = quant.weight_only_linear(x, stored, s, z, bits=bits, bias=bias)
+    expected = x.double() @ w.T + bias.double()
+    assert out.dtype == dtype and out.shape == (M, N)
+    tol = FP32_TOL if dtype == torch.float32 else WOL_BF16_TOL
+    torch.testing.assert_close(out.double(), expected, **tol)
+
+
+# ---- int4 packing --------------------------------------------------------
+
+
+def test_unpack_int4_every_byte():
+    packed = torch.arange(256, dtype=torch.uint8).view(1, 256)
+    q = quant.unpack_int4(packed)
+    assert q.dtype == torch.int8 and q.shape == (1, 512)
+    assert q[0, 0::2].tolist() == [b % 16 - 8 for b in range(256)]  # low nibble
+    assert q[0, 1::2].tolist() == [b // 16 - 8 for b in range(256)]  # high nibble
+
+
+def test_pack_int4_round_trip_odd_rows():
+    values = torch.arange(-8, 8, dtype=torch.int8)
+    q = torch.stack([values, values.flip(0), values[torch.randperm(16)]])  # 3 rows
+    packed = quant.pack_int4(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 8)
+    expected = (q[:, 0::2].int() + 8) | ((q[:, 1::2].int() + 8) << 4)
+    assert torch.equal(packed.int(), expected)  # the even column in the low nibble
+    assert torch.equal(quant.unpack_int4(packed), q)
+
+
+# ---- group size refusals -------------------------------------------------
+
+
+def test_check_group_size_refuses_non_divisor():
+    with pytest.raises(ValueError) as err:
+        quant.check_group_size(100, 64)
+    msg = str(err.value)
+    assert "100 input channels" in msg and "group size 64" in msg
+    assert msg.endswith(".") and "\n" not in msg and ". " not in msg
+    quant.check_group_size(128, 64)
+    quant.check_group_size(100, -1)
+
+
+def test_dequantize_weight_refuses_groups_not_dividing_k():
+    with pytest.raises(ValueError, match="128 input channels has 3 scale groups"):
+        quant.dequantize_weight(i8(4, 128), torch.ones(4, 3), None, bits=8)
+
+
+# ---- NUMA device layout --------------------------------------------------
+
+SIZES = [64, 32, 32]  # e.g. q | k | v, each split over two dies
+
+
+def dev(t: torch.Tensor) -> torch.Tensor:
+    return to_device_layout(t, NUMA, 2, SIZES)
+
+
+def numa_layout() -> DeviceLayout:
+    layout = DeviceLayout.make(NUMA, 2, SIZES, torch.device("cpu"))
+    assert layout is not None  # not the identity: the test would prove nothing
+    return layout
+
+
+@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, int8_gemm.int8_scaled_mm])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_mm_numa_layout_is_exact(fn, dtype):
+    n = sum(SIZES)
+    x_q, w, xs, ws = i8(7, 64), i8(n, 64), scales(7, 1, base=1e-2), scales(n, base=1e-3)
+    bias = torch.randn(n, dtype=dtype)
+    plain = fn(x_q, w, xs, ws, dtype, bias=bias)
+    numa = fn(x_q, dev(w), xs, dev(ws), dtype, bias=bias, layout=numa_layout())
+    assert torch.equal(numa, plain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weight_only_linear_numa_layout_is_exact(dtype, bits):
+    n, k = sum(SIZES), 64
+    lo, hi = (-8, 7) if bits == 4 else (-128, 127)
+    q, s, z = i8(n, k, lo=lo, hi=hi), scales(n, 2, base=1e-2), i8(n, 2, lo=-4, hi=4)
+    stored = quant.pack_int4(q) if bits == 4 else q
+    x, bias = torch.randn(5, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    plain = quant.weight_only_linear(x, stored, s, z, bits=bits, bias=bias)
+    numa = quant.weight_only_linear(
+        x, dev(stored), dev(s), dev(z), bits=bits, bias=bias, layout=numa_layout()
+    )
+    assert torch.equal(numa, plain)
