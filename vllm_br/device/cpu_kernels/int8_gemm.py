@@ -1,10 +1,10 @@
 """int8 x int8 GEMMs on the host (cpu backend): the ``int8_scaled_mm`` op.
 
 ``torch._int_mm`` multiplies int8 matrices with exact int32 accumulation
-through oneDNN (VNNI where the host has it): for SmolLM2-135M's GEMMs on the
-2-core EPYC host (AVX512-VNNI) it took 0.35x (1 row) to 0.6x (32 rows) the
-time of the bf16 GEMM on a oneDNN-prepacked weight, and its result is the
-reference's bit for bit before the scales. Calls with an activation zero
+(oneDNN on the host), so its result is the reference's bit for bit before
+the scales, and it reads half the bytes of a bf16 weight. Its speed against
+the bf16 path has been probed on one host only, not yet measured by a
+benchmark in ``benchmarks/``. Calls with an activation zero
 point (asymmetric activations) are declined: the reference runs.
 """
 
