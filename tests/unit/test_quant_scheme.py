@@ -216,3 +216,14 @@ def test_platform_verify_quantization(monkeypatch):
     assert "'fp8'" in msg and "--quantization" in msg
     for method in scheme.SUPPORTED_METHODS:
         SUPAPlatform.verify_quantization(method)  # served: no error
+
+
+@pytest.mark.parametrize("experts", ["num_experts", "n_routed_experts"])
+def test_quantized_moe_is_refused_with_one_sentence(experts):
+    cfg = model_config("compressed-tensors", ct_config(weights(8), acts(8)))
+    setattr(cfg.hf_config, experts, 8)
+    with pytest.raises(SUPAConfigError, match="mixture-of-experts model") as err:
+        scheme.check_checkpoint(cfg)
+    assert "unquantized" in assert_one_sentence(err.value)
+    setattr(cfg.hf_config, experts, 0)  # a dense model of a MoE family
+    assert scheme.check_checkpoint(cfg) == 8

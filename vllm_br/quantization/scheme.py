@@ -99,6 +99,22 @@ def checkpoint_weight_bits(
     return " + ".join(sorted(found)), max(found.values())
 
 
+# hf_config attributes that count routed experts, by family.
+_EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _is_moe(hf_cfg: Any) -> bool:
+    """Whether the model routes to experts. vLLM's int8 MoE backends are
+    Triton and CPU only, and the plugin's fused MoE takes no int8 weights yet,
+    so a quantized MoE checkpoint stops at start-up instead of in loading."""
+    cfgs = [hf_cfg, getattr(hf_cfg, "text_config", None)]
+    return any(
+        isinstance(getattr(c, name, None), int) and getattr(c, name) > 0
+        for c in cfgs
+        for name in _EXPERT_COUNTS
+    )
+
+
 def check_checkpoint(model_config: Any) -> int | None:
     """Stop a checkpoint that ``VLLM_BR_QUANT_METHOD`` cannot serve with one
     sentence; return its weight bits (None: unquantized)."""
@@ -111,6 +127,12 @@ def check_checkpoint(model_config: Any) -> int | None:
     if found is None:
         return None
     scheme, bits = found
+    if _is_moe(hf_cfg):
+        raise SUPAConfigError(
+            f"This checkpoint quantizes a mixture-of-experts model ({scheme}), "
+            "whose quantized experts SUPA does not serve yet; serve its "
+            "unquantized (bfloat16) checkpoint."
+        )
     if bits == 8 and envs.VLLM_BR_QUANT_METHOD == "INT4":
         raise SUPAConfigError(
             f"This checkpoint is {scheme} (int8 weights), which "
