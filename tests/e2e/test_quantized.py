@@ -248,3 +248,53 @@ def test_unservable_quantization_stops_with_one_sentence(
     text = str(err.value)
     sentence = text.split("Value error, ")[-1].split(" [type=")[0]
     assert re.fullmatch(r"[^\n]*?\.", sentence) and ". " not in sentence, text
+
+
+def moe_facts(worker) -> dict:
+    """Runs in the worker: method class and weight dtype of each MoE layer."""
+    worker = getattr(worker, "worker", worker)
+    facts = {}
+    for name, module in worker.model_runner.get_model().named_modules():
+        if hasattr(module, "w13_weight") and hasattr(module, "quant_method"):
+            method = type(module.quant_method).__name__
+            facts[name] = (method, str(module.w13_weight.dtype))
+    return facts
+
+
+def test_moe_w8a8_equals_fake_quant_reference(tiny_qwen3_moe_dir, tmp_path_factory):
+    """A W8A8-INT8 Qwen3-MoE: int8 experts on the plugin's fused MoE (static
+    decode path and dynamic prefill path) give the reference's tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    quant_dir = quantize_compressed_tensors(
+        tiny_qwen3_moe_dir, tmp_path_factory.mktemp("moe_w8a8"), "W8A8"
+    )
+    prompts = prompt_token_ids_of_lengths(512, [1, 127, 129, 300, 7])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_LOGPROBS
+    )
+    with llm_engine(
+        quant_dir,
+        dtype="float32",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=256,
+    ) as llm:
+        facts = llm.collective_rpc(moe_facts)[0]
+        llm.collective_rpc(count_op_calls, args=(["fused_experts", "int8_scaled_mm"],))
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params
+        )
+        calls = llm.collective_rpc(op_calls)[0]
+    # Layers 0 and 2 route (layer 1 is dense); experts are int8.
+    assert facts and set(facts.values()) == {("SUPAW8A8Int8MoEMethod", "torch.int8")}
+    assert calls["fused_experts"] > 0 and calls["int8_scaled_mm"] > 0, calls
+    assert token_ids(outputs) == fake_quant_greedy(
+        tiny_qwen3_moe_dir, quant_dir, prompts, MAX_TOKENS
+    )
+    unquantized = hf_greedy_logprobs(
+        tiny_qwen3_moe_dir, prompts, MAX_TOKENS, NUM_LOGPROBS
+    )
+    check_logprobs_close(
+        [(ids, lps) for ids, _, lps in unquantized], vllm_logprobs(outputs)
+    )

@@ -269,11 +269,14 @@ def test_static_dynamic_boundary(monkeypatch, dtype):
         x = torch.randn(n, H).to(dtype)
         weights, ids = _routing(n)
         got = get_op("fused_experts")(x, w13, w2, weights, ids)
+        e13, e2 = moe._Experts(w13, None, dtype), moe._Experts(w2, None, dtype)
         if path is None:
             valid = torch.ones_like(ids, dtype=torch.bool)
-            direct = moe._dynamic(x, w13, w2, weights, ids.long(), act, valid)
+            direct = moe._dynamic(
+                x, e13, e2, weights, ids.long(), act, valid, moe._same
+            )
         else:
-            direct = path(x, w13, w2, weights, ids.long(), act)
+            direct = path(x, e13, e2, weights, ids.long(), act, moe._same)
         assert torch.equal(got, direct.to(dtype)), f"N={n} took the other path"
         expected = _ref_experts(x, w13, w2, weights, ids)
         torch.testing.assert_close(got, expected.to(dtype), **TOL[dtype])
@@ -357,3 +360,52 @@ def test_registered_as_ops():
     assert {"fused_topk", "grouped_topk", "fused_experts"} <= set(registered_ops())
     # The cpu backend binds no vendor kernels: the references serve.
     assert get_op("fused_experts") is moe.fused_experts
+
+
+def _int8_experts(experts=E):
+    """int8 expert weights of about the same scale as ``_weights``, with
+    per-output-channel scales (``q * s``)."""
+    w13q = torch.randint(-127, 128, (experts, 2 * INTER, H), dtype=torch.int8)
+    w2q = torch.randint(-127, 128, (experts, H, INTER), dtype=torch.int8)
+    s13 = torch.rand(experts, 2 * INTER) / (127 * H**0.5)
+    s2 = torch.rand(experts, H) / (127 * INTER**0.5)
+    return w13q, w2q, s13, s2
+
+
+def _qdq_rows(v):
+    """A row quantized to int8 with scale max|v| / 127 and back (float64)."""
+    s = v.abs().amax(dim=-1, keepdim=True) / 127
+    return torch.round(v / s).clamp(-128, 127) * s
+
+
+@pytest.mark.parametrize("quantize_activations", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("n", [3, 9, 40])  # static gather, static dense, dynamic
+def test_int8_experts_match_the_dequantized_formula(
+    quantize_activations, n, monkeypatch
+):
+    """int8 experts: each expert weight is ``q * scale`` per output channel;
+    with W8A8 each GEMM input row is quantized to int8 per token first.
+    Against a float64 loop written here, on all three paths (float32)."""
+    monkeypatch.setenv("VLLM_BR_STATIC_MOE_DECODER_MAX_LEN", "16")
+    w13q, w2q, s13, s2 = _int8_experts()
+    x = torch.randn(n, H)
+    weights, ids = _routing(n)
+    got = get_op("fused_experts")(
+        x, w13q, w2q, weights, ids, w13_scale=s13, w2_scale=s2,
+        quantize_activations=quantize_activations,
+    )  # fmt: skip
+    d13 = w13q.double() * s13.double().unsqueeze(-1)
+    d2 = w2q.double() * s2.double().unsqueeze(-1)
+    pre = _qdq_rows if quantize_activations else (lambda v: v)
+    expected = torch.zeros(n, H, dtype=torch.float64)
+    for t in range(n):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = d13[e] @ pre(x[t].double())
+            a = _ref_act(h, "silu")
+            expected[t] += float(weights[t, j]) * (d2[e] @ pre(a))
+    # W8A8: an input within float32 rounding of a half step may round to the
+    # other int8 on another host (its GEMM sums in another order): one step
+    # (max|row| / 127) of one input, times a weight of about 1 / sqrt(I).
+    tol = {"atol": 2e-3, "rtol": 1e-3} if quantize_activations else TOL[torch.float32]
+    torch.testing.assert_close(got.double(), expected, **tol)

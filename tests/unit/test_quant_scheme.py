@@ -219,11 +219,16 @@ def test_platform_verify_quantization(monkeypatch):
 
 
 @pytest.mark.parametrize("experts", ["num_experts", "n_routed_experts"])
-def test_quantized_moe_is_refused_with_one_sentence(experts):
-    cfg = model_config("compressed-tensors", ct_config(weights(8), acts(8)))
-    setattr(cfg.hf_config, experts, 8)
+def test_quantized_moe_is_served_only_as_w8a8_int8(experts):
+    w8a8 = model_config("compressed-tensors", ct_config(weights(8), acts(8)))
+    setattr(w8a8.hf_config, experts, 8)
+    assert scheme.check_checkpoint(w8a8) == 8
+    w4a16 = model_config(
+        "compressed-tensors", ct_config(weights(4, strategy="group"), None)
+    )
+    setattr(w4a16.hf_config, experts, 8)
     with pytest.raises(SUPAConfigError, match="mixture-of-experts model") as err:
-        scheme.check_checkpoint(cfg)
-    assert "unquantized" in assert_one_sentence(err.value)
-    setattr(cfg.hf_config, experts, 0)  # a dense model of a MoE family
-    assert scheme.check_checkpoint(cfg) == 8
+        scheme.check_checkpoint(w4a16)
+    assert "W8A8-INT8" in assert_one_sentence(err.value)
+    setattr(w4a16.hf_config, experts, 0)  # a dense model of a MoE family
+    assert scheme.check_checkpoint(w4a16) == 4

@@ -18,6 +18,14 @@ Same semantics as vLLM 0.33 (``vllm/model_executor/layers/fused_moe/``):
   ``[0, E)`` (``-1``: a padding row, or an expert on another EP rank) add
   nothing.
 
+With int8 experts (``w13_scale`` ``[E, 2I]`` and ``w2_scale`` ``[E, H]``
+given: per-output-channel scales of int8 ``w13`` / ``w2``), each expert's
+weight is ``q * scale``, dequantized in float32 and rounded once to the
+activation dtype for the experts a call reads; with ``quantize_activations``
+(W8A8) each GEMM's input rows are quantized to int8 per token first
+(``quantize_int8``) and dequantized, which is what an int8 x int8 GEMM with
+those scales computes, up to the rounding of its float sums.
+
 ``fused_experts`` has two paths with the same result up to rounding. Up to
 ``VLLM_BR_STATIC_MOE_DECODER_MAX_LEN`` tokens (decode batches) every shape
 depends only on the token count, so a SUPA graph can capture it; larger
@@ -31,6 +39,7 @@ import torch.nn.functional as F
 
 from vllm_br import envs
 from vllm_br.ops.activation import gelu_and_mul, silu_and_mul
+from vllm_br.ops.quant import quantize_int8
 from vllm_br.ops.registry import register_op
 
 # vLLM's MoEActivation values (fused_moe/activation.py) that we compute; the
@@ -130,38 +139,74 @@ def _act(activation: str):
     return fn
 
 
-def _static_gather(x, w13, w2, weights, ids, act) -> torch.Tensor:
+class _Experts:
+    """One expert weight stack ``[E, rows, cols]``: plain, or int8 with
+    per-row scales (dequantized for the experts a path reads)."""
+
+    def __init__(self, w: torch.Tensor, scale: torch.Tensor | None, dtype) -> None:
+        self.w, self.scale, self.dtype = w, scale, dtype
+        self.num = w.shape[0]
+
+    def _deq(self, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is None:
+            return w
+        return (w.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(
+            self.dtype
+        )
+
+    def select(self, ids: torch.Tensor) -> torch.Tensor:
+        s = None if self.scale is None else self.scale.index_select(0, ids)
+        return self._deq(self.w.index_select(0, ids), s)
+
+    def all(self) -> torch.Tensor:
+        return self._deq(self.w, self.scale)
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self._deq(self.w[e], None if self.scale is None else self.scale[e])
+
+
+def _qdq(x: torch.Tensor) -> torch.Tensor:
+    """Rows quantized to int8 per token and back: a W8A8 GEMM's input."""
+    q, s, _ = quantize_int8(x.reshape(-1, x.shape[-1]))
+    return (q.to(torch.float32) * s).to(x.dtype).view(x.shape)
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _static_gather(x, w13, w2, weights, ids, act, pre) -> torch.Tensor:
     """Few routed slots (N*k <= E): each slot gathers its expert's weights
     and runs a batched matrix-vector product."""
     (n, k), hidden = ids.shape, x.shape[-1]
     flat_ids = ids.reshape(-1)
-    slots = x.unsqueeze(1).expand(n, k, hidden).reshape(n * k, hidden, 1)
-    h = torch.bmm(w13.index_select(0, flat_ids), slots).squeeze(-1)
-    y = torch.bmm(w2.index_select(0, flat_ids), act(h).unsqueeze(-1)).squeeze(-1)
+    slots = pre(x).unsqueeze(1).expand(n, k, hidden).reshape(n * k, hidden, 1)
+    h = torch.bmm(w13.select(flat_ids), slots).squeeze(-1)
+    y = torch.bmm(w2.select(flat_ids), pre(act(h)).unsqueeze(-1)).squeeze(-1)
     return (y.float() * weights.reshape(-1, 1)).view(n, k, y.shape[-1]).sum(dim=1)
 
 
-def _static_dense(x, w13, w2, weights, ids, act) -> torch.Tensor:
+def _static_dense(x, w13, w2, weights, ids, act, pre) -> torch.Tensor:
     """Many slots (N*k > E): every expert on every token, each weight read
     once, combined with a dense [N, E] weight matrix (zero where unrouted)."""
-    num_experts = w13.shape[0]
-    h = torch.matmul(x.unsqueeze(0), w13.transpose(1, 2))  # [E, N, 2I]
-    y = torch.matmul(act(h), w2.transpose(1, 2))  # [E, N, H]
-    dense = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
+    h = torch.matmul(pre(x).unsqueeze(0), w13.all().transpose(1, 2))  # [E, N, 2I]
+    y = torch.matmul(pre(act(h)), w2.all().transpose(1, 2))  # [E, N, H]
+    dense = torch.zeros(x.shape[0], w13.num, dtype=torch.float32, device=x.device)
     dense.scatter_add_(1, ids.long(), weights)
     return torch.einsum("ne,enh->nh", dense, y.float())
 
 
-def _dynamic(x, w13, w2, weights, ids, act, valid) -> torch.Tensor:
+def _dynamic(x, w13, w2, weights, ids, act, valid, pre) -> torch.Tensor:
     """Slots sorted by expert; one GEMM per expert that received tokens."""
-    num_experts = w13.shape[0]
+    num_experts = w13.num
     k = ids.shape[1]
     flat_ids = torch.where(valid, ids, num_experts).reshape(-1)  # dropped: last
     order = torch.argsort(flat_ids, stable=True)
     tokens = order // k
     slot_weights = weights.reshape(-1)[order].unsqueeze(-1)
     counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape[0], w2.w.shape[1], dtype=torch.float32, device=x.device)
+    xq = pre(x)
     start = 0
     for e, count in enumerate(counts.tolist()):  # one host sync per call
         if count == 0:
@@ -169,8 +214,8 @@ def _dynamic(x, w13, w2, weights, ids, act, valid) -> torch.Tensor:
         rows = slice(start, start + count)
         start += count
         tok = tokens[rows]
-        h = act(x.index_select(0, tok) @ w13[e].t())
-        y = h @ w2[e].t()
+        h = act(xq.index_select(0, tok) @ w13[e].t())
+        y = pre(h) @ w2[e].t()
         out.index_add_(0, tok, y.float() * slot_weights[rows])
     return out
 
@@ -186,14 +231,21 @@ def fused_experts(
     apply_router_weight_on_input: bool = False,
     expert_map: torch.Tensor | None = None,
     static_max_tokens: int | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    quantize_activations: bool = False,
 ) -> torch.Tensor:
     """Routed experts for ``hidden_states [N, H]``; returns ``[N, H]`` in its
     dtype. GEMMs and the activation run in that dtype, the weighted sum over
     experts in float32. ``expert_map`` maps global expert ids to local ones
     (-1: not on this rank). ``static_max_tokens`` overrides
-    ``VLLM_BR_STATIC_MOE_DECODER_MAX_LEN``."""
+    ``VLLM_BR_STATIC_MOE_DECODER_MAX_LEN``. ``w13_scale`` / ``w2_scale`` and
+    ``quantize_activations``: int8 experts (module docstring)."""
     act = _act(activation)
     x = hidden_states
+    pre = _qdq if quantize_activations else _same
+    w13 = _Experts(w13, w13_scale, x.dtype)
+    w2 = _Experts(w2, w2_scale, x.dtype)
     ids = topk_ids.long()
     if expert_map is not None:
         ids = torch.where(ids >= 0, expert_map[ids.clamp(min=0)].long(), -1)
@@ -204,7 +256,7 @@ def fused_experts(
             raise ValueError("apply_router_weight_on_input needs top_k == 1")
         x = (x.float() * weights).to(x.dtype)
         weights = torch.ones_like(weights)
-    valid = (ids >= 0) & (ids < w13.shape[0])
+    valid = (ids >= 0) & (ids < w13.num)
     limit = (
         envs.VLLM_BR_STATIC_MOE_DECODER_MAX_LEN
         if static_max_tokens is None
@@ -213,8 +265,8 @@ def fused_experts(
     if x.shape[0] <= limit:
         weights = torch.where(valid, weights, 0.0)
         ids = torch.where(valid, ids, 0)  # a dropped slot: expert 0, weight 0
-        static = _static_gather if ids.numel() <= w13.shape[0] else _static_dense
-        out = static(x, w13, w2, weights, ids, act)
+        static = _static_gather if ids.numel() <= w13.num else _static_dense
+        out = static(x, w13, w2, weights, ids, act, pre)
     else:
-        out = _dynamic(x, w13, w2, weights, ids, act, valid)
+        out = _dynamic(x, w13, w2, weights, ids, act, valid, pre)
     return out.to(hidden_states.dtype)

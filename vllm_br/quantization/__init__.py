@@ -12,7 +12,9 @@ kernel registries, where :func:`register` adds the SUPA kernels for
   and int4, per channel or grouped, symmetric or with zero points;
 
 and replaces vLLM's ``auto_gptq`` config with one that reaches that kernel
-on SUPA (``vllm_br.quantization.gptq``).
+on SUPA (``vllm_br.quantization.gptq``), and vLLM's compressed-tensors config
+with one that serves W8A8-INT8 MoE experts on the plugin's fused MoE
+(``vllm_br.quantization.moe``).
 
 Both compute through the ``int8_scaled_mm`` / ``weight_only_linear`` ops
 (``vllm_br.ops.quant``), so a device binds its own kernels there. Which
@@ -32,7 +34,7 @@ def register() -> list[str]:
     from vllm.model_executor.kernels.linear import register_linear_kernel
     from vllm.platforms import PlatformEnum
 
-    from vllm_br.quantization import gptq
+    from vllm_br.quantization import gptq, moe
     from vllm_br.quantization.int8_linear import SUPAInt8ScaledMMLinearKernel
     from vllm_br.quantization.weight_only_linear import SUPAWeightOnlyLinearKernel
 
@@ -44,5 +46,6 @@ def register() -> list[str]:
         for cls, kind in kernels:
             register_linear_kernel(cls, PlatformEnum.OOT, kernel_type=kind)
         gptq.register()
+        moe.register()
         _registered = True
     return [cls.__name__ for cls, _ in kernels]

@@ -11,7 +11,7 @@ held on the device:
   for memory-bound decode). int8 checkpoints cannot be held in four bits and
   stop at start-up, naming ``INT8``.
 
-Served: compressed-tensors W8A8-INT8 (dynamic per-token or static per-tensor
+Served: compressed-tensors W8A8-INT8 (MoE experts included) (dynamic per-token or static per-tensor
 activations), W8A16 and W4A16 (per channel or grouped, symmetric or with zero
 points), and GPTQ int8 / int4 (vLLM's ``auto_gptq`` path, symmetric). The
 checkpoint's scheme is read from its ``quantization_config`` at start-up, so
@@ -99,14 +99,16 @@ def checkpoint_weight_bits(
     return " + ".join(sorted(found)), max(found.values())
 
 
+#: the scheme whose quantized MoE experts SUPA serves (vllm_br.quantization.moe)
+MOE_SCHEME = "compressed-tensors W8A8-INT8"
 # hf_config attributes that count routed experts, by family.
 _EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
 def _is_moe(hf_cfg: Any) -> bool:
-    """Whether the model routes to experts. vLLM's int8 MoE backends are
-    Triton and CPU only, and the plugin's fused MoE takes no int8 weights yet,
-    so a quantized MoE checkpoint stops at start-up instead of in loading."""
+    """Whether the model routes to experts: their quantized weights are
+    served only as W8A8-INT8 (the plugin's fused MoE), so another scheme
+    stops at start-up instead of in loading."""
     cfgs = [hf_cfg, getattr(hf_cfg, "text_config", None)]
     return any(
         isinstance(getattr(c, name, None), int) and getattr(c, name) > 0
@@ -127,11 +129,11 @@ def check_checkpoint(model_config: Any) -> int | None:
     if found is None:
         return None
     scheme, bits = found
-    if _is_moe(hf_cfg):
+    if _is_moe(hf_cfg) and scheme != MOE_SCHEME:
         raise SUPAConfigError(
             f"This checkpoint quantizes a mixture-of-experts model ({scheme}), "
-            "whose quantized experts SUPA does not serve yet; serve its "
-            "unquantized (bfloat16) checkpoint."
+            f"whose experts SUPA serves only as {MOE_SCHEME}; serve such a "
+            "checkpoint or the unquantized one."
         )
     if bits == 8 and envs.VLLM_BR_QUANT_METHOD == "INT4":
         raise SUPAConfigError(

@@ -156,7 +156,7 @@ def fused_kernels() -> dict[str, object]:
     with fast bf16 (``packed_linear``: torch's own oneDNN, so bound without a
     compiler too), and GEMMs on float32 weight copies chosen per call
     (``bf16_gemm``, where the host has no fast bf16), and int8 GEMMs on
-    torch's ``_int_mm`` (``int8_gemm``). ``VLLM_BR_CPU_KERNELS=0`` binds
+    torch's ``_int_mm`` / ``_weight_int8pack_mm`` (``int8_gemm``). ``VLLM_BR_CPU_KERNELS=0`` binds
     neither the C++ kernels nor the packed or int8 GEMMs. Each kernel declines
     what it does not handle (the reference runs)."""
     from vllm_br.device.cpu_kernels import bf16_gemm
@@ -175,6 +175,7 @@ def fused_kernels() -> dict[str, object]:
         from vllm_br.device.cpu_kernels import int8_gemm, packed_linear
 
         kernels["int8_scaled_mm"] = int8_gemm.int8_scaled_mm
+        kernels["weight_only_linear"] = int8_gemm.weight_only_linear
 
         if packed_linear.host_supported():
             kernels["linear"] = packed_linear.linear
