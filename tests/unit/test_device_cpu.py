@@ -202,9 +202,10 @@ def test_versions_and_kernels(backend):
     # The C++ host kernels (tests/unit/test_paged_attention.py checks them),
     # greedy sampling (tests/unit/test_sampling.py) and, on hosts with fast
     # bf16, the packed GEMMs (tests/unit/test_packed_linear.py); int8 GEMMs
-    # on torch._int_mm (tests/unit/test_quant_ops.py).
+    # on torch._int_mm / _weight_int8pack_mm (tests/unit/test_quant_ops.py).
     expect = {
         "int8_scaled_mm",
+        "weight_only_linear",
         "paged_attention_decode",
         "paged_attention_prefill",
         "reshape_and_cache",

@@ -123,6 +123,7 @@ def test_cpu_backend_binds_only_its_host_kernels():
         "linear": bf16_gemm.linear,
         "compute_logits": bf16_gemm.compute_logits,
         "int8_scaled_mm": int8_gemm.int8_scaled_mm,
+        "weight_only_linear": int8_gemm.weight_only_linear,
     }
     if packed_linear.host_supported():  # GEMMs on oneDNN-prepacked weights
         host["linear"] = packed_linear.linear

@@ -196,6 +196,39 @@ def test_weight_only_linear(dtype, asym, bits, group):
     torch.testing.assert_close(out.double(), expected, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, int8_gemm.INT8PACK_MAX_ROWS, 17])
+def test_cpu_weight_only_kernel_matches_formula(dtype, rows):
+    """The cpu kernel for symmetric per-channel int8 weights, on both sides
+    of its row threshold (int8pack GEMM, then dequantize + GEMM), with bias
+    and the NUMA layout, against the float64 formula at the bf16 tolerance."""
+    stored, s, _, w = wol_case(8, -1, asym=False)
+    x, bias = torch.randn(rows, K, dtype=dtype), torch.randn(N, dtype=dtype)
+    expected = x.double() @ w.T + bias.double()
+    out = int8_gemm.weight_only_linear(x, stored, s.to(dtype), None, 8, bias)
+    assert out is not NotImplemented and out.dtype == dtype and out.shape == (rows, N)
+    torch.testing.assert_close(out.double(), expected, **WOL_BF16_TOL)
+    layout = DeviceLayout.make(NUMA, 2, [16, 16, 16], torch.device("cpu"))
+    dev_w = to_device_layout(stored, NUMA, 2, [16, 16, 16])
+    dev_s = to_device_layout(s.to(dtype), NUMA, 2, [16, 16, 16])
+    got = int8_gemm.weight_only_linear(x, dev_w, dev_s, None, 8, bias, layout)
+    torch.testing.assert_close(got.double(), expected, **WOL_BF16_TOL)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["float32", "int4", "zero points", "groups"],
+)
+def test_cpu_weight_only_kernel_declines_what_it_does_not_serve(case):
+    bits, group, asym = {"int4": (4, -1, False), "zero points": (8, -1, True),
+                         "groups": (8, 32, False)}.get(case, (8, -1, False))  # fmt: skip
+    stored, s, z, _ = wol_case(bits, group, asym)
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    x = torch.randn(2, K, dtype=dtype)
+    out = int8_gemm.weight_only_linear(x, stored, s.to(dtype), z, bits)
+    assert out is NotImplemented
+
+
 # ---- int4 packing --------------------------------------------------------
 
 

@@ -117,6 +117,4 @@ class SUPACompressedTensorsConfig(CompressedTensorsConfig):
 
 
 def register() -> None:
-    register_quantization_config("compressed-tensors")(
-        SUPACompressedTensorsConfig
-    )
+    register_quantization_config("compressed-tensors")(SUPACompressedTensorsConfig)

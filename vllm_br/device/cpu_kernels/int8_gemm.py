@@ -56,7 +56,7 @@ def _weight_only_int8(
     if x.shape[0] <= INT8PACK_MAX_ROWS:
         out = torch.ops.aten._weight_int8pack_mm(x, weight, scale.to(x.dtype))
     else:
-        w = (weight.to(torch.float32) * scale.to(torch.float32)).to(x.dtype)
+        w = (weight.to(torch.float32) * scale.to(torch.float32)[:, None]).to(x.dtype)
         out = F.linear(x, w)  # the reference's rounding of w
     return out if bias is None else out + bias
 
