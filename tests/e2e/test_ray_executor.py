@@ -13,6 +13,7 @@ its local rank or Ray's instance id as its device fails the test.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -56,6 +57,11 @@ def test_ray_tp2_matches_mp_tp2(tiny_llama_dir, monkeypatch):
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
         ),
     }
+    if "SUPA_STANDIN_TOPOLOGY" in os.environ:
+        # On the stand-in the node's cards are its topology's: give it four,
+        # so that cards 3 and 1 exist there as on the cpu backend's eight.
+        topology = json.loads(os.environ["SUPA_STANDIN_TOPOLOGY"])
+        env["SUPA_STANDIN_TOPOLOGY"] = json.dumps({**topology, "cards": 4})
     head = RayHead({"SUPA": 2}, env)  # starts while the mp engine runs
     try:
         with llm_engine(
