@@ -197,7 +197,9 @@ def test_weight_only_linear(dtype, asym, bits, group):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, int8_gemm.INT8PACK_MAX_ROWS, 17])
+@pytest.mark.parametrize(
+    "rows", [1, int8_gemm.INT8PACK_MAX_ROWS, int8_gemm.INT8PACK_MAX_ROWS + 1]
+)
 def test_cpu_weight_only_kernel_matches_formula(dtype, rows):
     """The cpu kernel for symmetric per-channel int8 weights, on both sides
     of its row threshold (int8pack GEMM, then dequantize + GEMM), with bias

@@ -40,11 +40,14 @@ def int8_scaled_mm(
 
 
 # Up to this many rows torch's ``_weight_int8pack_mm`` (bf16 activations
-# times int8 weights, scales applied to the float32 sums) reads the int8
-# weight directly; above it, dequantizing the weight once per call and one
-# bf16 GEMM is faster (probed on SmolLM2's shapes: 1 row about as fast as the
-# packed bf16 GEMM, 8 rows 1.3-2x slower than it, 32 rows 2-3x).
-INT8PACK_MAX_ROWS = 4
+# times int8 weights, scales applied to the float32 sums) beats dequantizing
+# the weight once per call and one bf16 GEMM; above it the latter wins.
+# Measured on the 2-core EPYC (AVX512-BF16) for SmolLM2's layer GEMMs with
+# cold weights by ``benchmarks/kernels/int8_gemm_rows.py``, time / packed bf16
+# GEMM: int8pack 0.54-0.82x at 1-2 rows, 0.7-1.04x at 4, 1.6-2.2x at 32,
+# 2.2-2.6x at 128; dequantize + GEMM 1.8-3.4x at 1-2 rows, 1.8-2.9x at 32,
+# 1.5-1.9x at 128.
+INT8PACK_MAX_ROWS = 32
 
 
 def _weight_only_int8(
