@@ -16,7 +16,7 @@ from vllm_br.device.cpu_isa import HostISA
 @pytest.fixture
 def host(monkeypatch):
     """Pretend the CPU has ``features`` (a subset of avx512, avx512_bf16,
-    amx); host_isa() is read afresh."""
+    amx, vnni); host_isa() is read afresh."""
 
     def set_features(*features: str) -> None:
         monkeypatch.setattr(
@@ -28,13 +28,15 @@ def host(monkeypatch):
         monkeypatch.setattr(
             torch.cpu, "_is_amx_tile_supported", lambda: "amx" in features
         )
+        monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: "vnni" in features)
         cpu_isa.host_isa.cache_clear()
 
     yield set_features
     cpu_isa.host_isa.cache_clear()
 
 
-ALL = HostISA(avx512=True, avx512_bf16=True, amx_bf16=True)
+ALL = HostISA(avx512=True, avx512_bf16=True, amx_bf16=True, avx512_vnni=True)
+VNNI = HostISA(True, False, False, avx512_vnni=True)
 
 
 @pytest.mark.parametrize(
@@ -45,9 +47,9 @@ ALL = HostISA(avx512=True, avx512_bf16=True, amx_bf16=True)
         ("DEFAULT", ALL),
         ("AVX512_CORE_AMX", ALL),
         ("avx10_1_512_amx", ALL),  # oneDNN reads it in any case
-        ("AVX512_CORE_FP16", HostISA(True, True, False)),
-        ("AVX512_CORE_BF16", HostISA(True, True, False)),
-        ("AVX512_CORE_VNNI", HostISA(True, False, False)),
+        ("AVX512_CORE_FP16", HostISA(True, True, False, avx512_vnni=True)),
+        ("AVX512_CORE_BF16", HostISA(True, True, False, avx512_vnni=True)),
+        ("AVX512_CORE_VNNI", VNNI),
         ("AVX512_CORE", HostISA(True, False, False)),
         ("AVX2_VNNI_2", HostISA(False, False, False)),
         ("AVX2", HostISA(False, False, False)),
@@ -59,7 +61,7 @@ def test_cap_on_a_host_with_everything(host, monkeypatch, cap, expect):
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     else:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-    host("avx512", "avx512_bf16", "amx")
+    host("avx512", "avx512_bf16", "amx", "vnni")
     assert cpu_isa.host_isa() == expect
     assert cpu_isa.host_isa().fast_bf16 == (expect.avx512_bf16 or expect.amx_bf16)
 
@@ -70,11 +72,13 @@ def test_cap_adds_nothing_the_cpu_lacks(host, monkeypatch):
     assert cpu_isa.host_isa() == HostISA(False, False, False)
     host("avx512")
     assert cpu_isa.host_isa() == HostISA(True, False, False)
+    host("vnni")  # VNNI is the AVX-512 one: nothing without AVX-512
+    assert cpu_isa.host_isa() == HostISA(False, False, False)
 
 
 def test_unknown_cap_caps_nothing_and_says_so(host, monkeypatch, caplog):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX99_FUTURE")
-    host("avx512", "avx512_bf16", "amx")
+    host("avx512", "avx512_bf16", "amx", "vnni")
     assert cpu_isa.host_isa() == ALL
     assert "ONEDNN_MAX_CPU_ISA=AVX99_FUTURE" in caplog.text
 

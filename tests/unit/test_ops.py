@@ -113,7 +113,7 @@ def test_cpu_backend_binds_only_its_host_kernels():
     from vllm_br.device import cpu
     from vllm_br.device.cpu_kernels import bf16_gemm, int8_gemm, packed_linear
     from vllm_br.device.cpu_kernels import paged_attention as cpu_pa
-    from vllm_br.ops import paged_attention, sampling  # noqa: F401  (register)
+    from vllm_br.ops import paged_attention, quant, sampling  # noqa: F401  (register)
 
     host = {  # the C++ kernels, greedy sampling through max(), float32 copies
         "paged_attention_decode": cpu_pa.decode,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_br.device import cpu_isa
 from vllm_br.device.cpu_kernels import int8_gemm
 from vllm_br.ops import quant, reference_op
 from vllm_br.ops.weight_layout import NUMA, DeviceLayout, to_device_layout
@@ -40,6 +41,18 @@ def scales(*shape: int, base: float) -> torch.Tensor:
     return (torch.rand(shape) + 0.5) * base
 
 
+def cpu_kernel(*args, **kwargs):
+    """The cpu backend's ``int8_scaled_mm`` kernel where the host has
+    AVX512-VNNI; elsewhere it must decline, and the reference runs (as
+    ``get_op`` does)."""
+    out = int8_gemm.int8_scaled_mm(*args, **kwargs)
+    if not cpu_isa.host_isa().avx512_vnni:
+        assert out is NotImplemented
+        return quant.int8_scaled_mm(*args, **kwargs)
+    assert out is not NotImplemented
+    return out
+
+
 def exact_mm(x_q, w, zp=None) -> torch.Tensor:
     x = x_q.to(torch.int64) - (0 if zp is None else zp.to(torch.int64))
     return x @ w.to(torch.int64).T
@@ -48,7 +61,7 @@ def exact_mm(x_q, w, zp=None) -> torch.Tensor:
 # ---- int8_scaled_mm ------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, int8_gemm.int8_scaled_mm])
+@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, cpu_kernel])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_int8_mm_unit_scales_is_exact(fn, m, k, n):
     # |sum| <= K * 128^2 <= 1.7e6 < 2^24: float32 holds every sum exactly.
@@ -58,7 +71,7 @@ def test_int8_mm_unit_scales_is_exact(fn, m, k, n):
     assert torch.equal(out, exact_mm(x_q, w).float())
 
 
-@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, int8_gemm.int8_scaled_mm])
+@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, cpu_kernel])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_int8_mm_scales_and_bias(fn, dtype, m, k, n):
@@ -99,14 +112,27 @@ def test_cpu_kernel_matches_reference(dtype):
     assert reference_op("int8_scaled_mm") is quant.int8_scaled_mm
     x_q, w = i8(17, 100), i8(96, 100)
     ones = (torch.ones(17, 1), torch.ones(96))
-    kernel = int8_gemm.int8_scaled_mm(x_q, w, *ones, torch.float32)
+    kernel = cpu_kernel(x_q, w, *ones, torch.float32)
     assert torch.equal(kernel, quant.int8_scaled_mm(x_q, w, *ones, torch.float32))
     args = (x_q, w, scales(17, 1, base=1e-2), scales(96, base=1e-3), dtype)
     bias = torch.randn(96, dtype=dtype)
-    kernel = int8_gemm.int8_scaled_mm(*args, bias=bias)
+    kernel = cpu_kernel(*args, bias=bias)
     torch.testing.assert_close(
         kernel, quant.int8_scaled_mm(*args, bias=bias), atol=0, rtol=1e-6
     )
+
+
+def test_cpu_kernel_declines_without_vnni(monkeypatch):
+    """Without VNNI oneDNN's int8 GEMM sums product pairs in saturating int16
+    (full-range int8 comes out wrong), so the kernel leaves it to the
+    reference."""
+    no_vnni = cpu_isa.HostISA(avx512=True, avx512_bf16=True, amx_bf16=False)
+    monkeypatch.setattr(cpu_isa, "host_isa", lambda: no_vnni)
+    x_q, w = i8(3, 40), i8(37, 40)
+    out = int8_gemm.int8_scaled_mm(
+        x_q, w, torch.ones(3, 1), torch.ones(37), torch.float32
+    )
+    assert out is NotImplemented
 
 
 def test_cpu_kernel_declines_activation_zero_point():
@@ -285,7 +311,7 @@ def numa_layout() -> DeviceLayout:
     return layout
 
 
-@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, int8_gemm.int8_scaled_mm])
+@pytest.mark.parametrize("fn", [quant.int8_scaled_mm, cpu_kernel])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_mm_numa_layout_is_exact(fn, dtype):
     n = sum(SIZES)

@@ -49,6 +49,11 @@ class HostISA:
     avx512: bool  # AVX-512 F/BW/VL (the kernels' 16-float vectors)
     avx512_bf16: bool  # bf16 dot products: bf16 GEMMs run natively
     amx_bf16: bool  # AMX tiles with bf16
+    # int8 dot products summed exactly in int32 (VNNI). Without it oneDNN's
+    # int8 GEMMs pair products in saturating int16 (vpmaddubsw), so
+    # torch._int_mm is wrong for full-range int8 (seen under
+    # ONEDNN_MAX_CPU_ISA=AVX2 and AVX512_CORE).
+    avx512_vnni: bool = False
 
     @property
     def fast_bf16(self) -> bool:
@@ -100,4 +105,7 @@ def host_isa() -> HostISA:
         amx_bf16=avx512
         and torch.cpu._is_amx_tile_supported()
         and allowed("AVX512_CORE_AMX"),
+        avx512_vnni=avx512
+        and torch.cpu._is_vnni_supported()
+        and allowed("AVX512_CORE_VNNI"),
     )

@@ -3,10 +3,11 @@
 
 ``torch._int_mm`` multiplies int8 matrices with exact int32 accumulation
 (oneDNN on the host), so its result is the reference's bit for bit before
-the scales, and it reads half the bytes of a bf16 weight. Its speed against
-the bf16 path has been probed on one host only, not yet measured by a
-benchmark in ``benchmarks/``. Calls with an activation zero
-point (asymmetric activations) are declined: the reference runs.
+the scales, and it reads half the bytes of a bf16 weight; only on hosts with
+AVX512-VNNI (``cpu_isa``): without VNNI oneDNN sums pairs of products in
+saturating int16 and full-range int8 comes out wrong, so there the reference
+(an int32 matmul) runs. Calls with an activation zero point (asymmetric
+activations) are declined too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from vllm_br.device import cpu_isa
 
 
 def int8_scaled_mm(
@@ -27,7 +30,11 @@ def int8_scaled_mm(
     bias: torch.Tensor | None = None,
     layout: Any = None,
 ) -> torch.Tensor:
-    if x_zero_point is not None or x_q.device.type != "cpu":
+    if (
+        x_zero_point is not None
+        or x_q.device.type != "cpu"
+        or not cpu_isa.host_isa().avx512_vnni
+    ):
         return NotImplemented
     acc = torch._int_mm(x_q, weight.t())
     out = acc.to(torch.float32) * x_scale.float() * weight_scale.float().view(1, -1)
