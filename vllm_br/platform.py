@@ -18,6 +18,7 @@ from vllm_br.attention import SUPA_BLOCK_SIZE, SUPA_FLASH_ATTN_PATH, SUPA_FLASH_
 from vllm_br.errors import SUPAConfigError
 from vllm_br.logger import init_logger
 from vllm_br.quantization import scheme as quant_scheme
+from vllm_br.spec_decode.config import check_speculative_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -215,6 +216,7 @@ class SUPAPlatform(Platform):
         _apply_model_policy(vllm_config)
         _apply_compilation_policy(vllm_config)
         _apply_scheduler_policy(vllm_config)
+        check_speculative_config(vllm_config)
 
     @classmethod
     def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
@@ -232,6 +234,13 @@ class SUPAPlatform(Platform):
     @classmethod
     def support_static_graph_mode(cls) -> bool:
         return True
+
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # A draft model's layers share layer indices with the target's. The
+        # runner's flat list of caches is only walked whole (KV block copies);
+        # SUPAModelRunner zeroes blocks through the forward context's layers.
+        return
 
     @classmethod
     def get_static_graph_wrapper_cls(cls) -> str:

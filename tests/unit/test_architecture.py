@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
             "models",
             "compilation",
             "executor",
+            "spec_decode",
         ],
         3,
     ),

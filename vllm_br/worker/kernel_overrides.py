@@ -1,6 +1,7 @@
 """Plain-torch implementations of the Triton kernels vLLM core launches each
 step (SUPA has no Triton), installed through vLLM's official
-``vllm.triton_utils.dispatcher.register_kernels``."""
+``vllm.triton_utils.dispatcher.register_kernels``: the slot mapping here, the
+speculative-decoding kernels from ``vllm_br.spec_decode.kernels``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import warnings
 import torch
 
 from vllm_br import compat
+from vllm_br.spec_decode.kernels import kernel_overrides as spec_decode_overrides
 
 _installed = False
 
@@ -63,5 +65,10 @@ def register_kernel_overrides() -> None:
         warnings.filterwarnings(
             "ignore", message=compat.TORCH_REDUCE_OP_WARNING, category=FutureWarning
         )
-        register_kernels({compat.SLOT_MAPPING_KERNEL: compute_slot_mapping})
+        register_kernels(
+            {
+                compat.SLOT_MAPPING_KERNEL: compute_slot_mapping,
+                **spec_decode_overrides(),
+            }
+        )
     _installed = True
