@@ -49,7 +49,7 @@ class Latent:
     """Per-sequence latent ``kv_c`` / ``k_pe``, the up-projections and a
     shuffled paged cache holding every sequence's latent."""
 
-    def __init__(self, seq_lens, dtype, seed=0):
+    def __init__(self, seq_lens, dtype, seed=0, stale=None):
         g = torch.Generator().manual_seed(seed)
         self.dtype = dtype
         self.seq_lens = list(seq_lens)
@@ -62,6 +62,8 @@ class Latent:
         num_blocks = sum(need) + 5
         # Garbage everywhere: a kernel reading past a sequence would see it.
         self.cache = (10 * torch.randn(num_blocks, BLOCK, L + R, generator=g)).to(dtype)
+        if stale is not None:  # what unwritten device memory may hold
+            self.cache.fill_(stale)
         perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
         width = max(need) + 2
         bt = torch.randint(1, num_blocks, (len(seq_lens), width), generator=g)
@@ -346,3 +348,19 @@ def test_merge_attn_states_weights_by_lse_and_handles_empty_parts():
     assert torch.equal(out[4], torch.zeros_like(out[4]))
     torch.testing.assert_close(out_lse[:, :3], torch.logaddexp(la[:, :3], lb[:, :3]))
     assert torch.isneginf(out_lse[:, 4]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_ignores_stale_nan_in_unwritten_slots(dtype):
+    """Unwritten cache slots may hold NaN (device memory is not zeroed for
+    attention-only models); mla_decode's output must not depend on them."""
+    seq_lens = [129, 1, 128, 300]
+    clean = Latent(seq_lens, dtype, seed=3)
+    stale = Latent(seq_lens, dtype, seed=3, stale=float("nan"))
+    assert torch.isnan(stale.cache).any()
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(len(seq_lens), N, L + R, generator=g).to(dtype)
+    sl = torch.tensor(seq_lens)
+    want, _ = mla_decode(q, clean.cache, clean.block_table, sl, 0.1, L, max_seq_len=300)
+    got, _ = mla_decode(q, stale.cache, stale.block_table, sl, 0.1, L, max_seq_len=300)
+    assert torch.equal(got, want)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import pytest
 import torch
@@ -707,3 +708,22 @@ def test_padding_rows_write_zeros_into_the_null_block():
     assert torch.count_nonzero(cache[0]) == 0  # the null block: zeros only
     live = cache[1].transpose(0, 1)[3]  # block 1, offset 3: [hkv, 2d]
     assert torch.equal(live, torch.cat((key[1], value[1]), -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stale_nan_in_unwritten_slots_is_never_read(dtype, monkeypatch):
+    """Slots nothing wrote hold whatever the device memory held before
+    (vLLM zeroes new KV blocks only for Mamba or mixed-precision caches); a
+    NaN there, past a request's length in its last block or in the null
+    block, must not reach any output (a zero weight times NaN is NaN)."""
+    made = make_layer_cache
+
+    def nan_cache(*args, **kwargs):
+        cache = made(*args, **kwargs)
+        return cache.fill_(float("nan"))
+
+    monkeypatch.setattr(sys.modules[__name__], "make_layer_cache", nan_cache)
+    case = _mixed(dtype, hq=9, hkv=3, seed=5)
+    assert torch.isnan(case.kv_cache).any()
+    out = case.run(plan=make_paged_attention_plan(case.qsl, case.seq_lens_t))
+    check(case, out, case.reference())

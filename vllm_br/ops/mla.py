@@ -141,7 +141,10 @@ def _softmax_pv(
 
     ``scores`` ``[..., Lq, S]`` float32 (modified), ``mask`` broadcastable to
     it (True = attend), ``values`` ``[..., S, Dv]`` float32. Rows with no
-    key give zeros and ``-inf``."""
+    key give zeros and ``-inf``. Values of keys no row attends are taken as
+    zero: they may be cache slots nothing wrote (stale memory, possibly NaN,
+    and a zero weight times NaN is NaN)."""
+    values = torch.where(mask.any(dim=-2).unsqueeze(-1), values, 0)
     scores.masked_fill_(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     empty = torch.isinf(row_max)

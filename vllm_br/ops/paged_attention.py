@@ -328,6 +328,13 @@ def _attend(
     if k.dtype != q.dtype:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+    # Keys no query attends include cache slots nothing wrote (past a
+    # request's length in its last block): stale device memory, possibly
+    # NaN or Inf, and a zero weight times NaN is NaN. vLLM zeroes new KV
+    # blocks only for Mamba or mixed-precision caches, so zero them here.
+    used = mask.any(dim=1)[:, :, None, None]  # [B, S, 1, 1]
+    k = torch.where(used, k, 0)
+    v = torch.where(used, v, 0)
     kt = k.permute(0, 2, 1, 3)  # [B, Hkv, S, D]
     vt = v.permute(0, 2, 1, 3)  # [B, Hkv, S, Dv]
     explicit = (logits_soft_cap is not None and logits_soft_cap > 0) or not use_sdpa
