@@ -99,6 +99,36 @@ def known_vllm_user_error(err: BaseException) -> str | None:
     return None
 
 
+# vLLM 0.33's own refusals of a speculative configuration (raised while the
+# config is built, vllm/config/speculative.py), as (setting, facts) for
+# spec_decode/config.py to say in one sentence.
+_SPEC_VOCAB = re.compile(
+    r"Target and draft model should have the same vocabulary size\. "
+    r"Target model vocab_size=(\d+)\. Draft model vocab_size=(\d+)\."
+)
+_SPEC_NO_METHOD = re.compile(r"Unsupported speculative method: '([^']*)'")
+
+
+def speculative_config_error(err: BaseException) -> tuple[str, tuple] | None:
+    """("method", (value,)), ("num_speculative_tokens", (value,)),
+    ("vocab", (target, draft)) or ("no_draft", (method,)) for vLLM's refusal
+    ``err``, else None."""
+    if type(err).__name__ == "ValidationError" and (
+        getattr(err, "title", "") == "SpeculativeConfig"
+    ):
+        for e in err.errors():
+            field = e.get("loc", ("",))[0] if e.get("loc") else ""
+            if field in ("method", "num_speculative_tokens"):
+                return field, (e.get("input"),)
+    match = _SPEC_VOCAB.search(str(err))
+    if match:
+        return "vocab", (int(match.group(1)), int(match.group(2)))
+    match = _SPEC_NO_METHOD.search(str(err))
+    if match:
+        return "no_draft", (match.group(1),)
+    return None
+
+
 # ---- vLLM's private names ---------------------------------------------------
 # Every private vLLM name the plugin calls, overrides, reads or assigns outside
 # this module, as "module:Qualname.attr", with where and why.
@@ -134,6 +164,15 @@ VLLM_PRIVATE_NAMES: dict[str, str] = {
     ),
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_kv_zero_meta": (
         "overridden: KV blocks zeroed without vLLM's Triton zeroer"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample": (
+        "overridden: discarded requests' generators restored by state"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync": (
+        "overridden: hides those generators from vLLM's Philox offset rewind"
+    ),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.discard_request_mask": (
+        "read by SUPAModelRunner._sample (requests whose token is discarded)"
     ),
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner._zero_block_ids": (
         "overridden: KV blocks zeroed without vLLM's Triton zeroer"

@@ -102,7 +102,8 @@ def ref_recovered(cu, draft, dprobs, tprobs, inv_q):
             i = start + p
             if dprobs is None:
                 prob = tprobs[i].clone()
-                prob[int(draft[i])] = 0
+                if int(draft[i]) >= 0:
+                    prob[int(draft[i])] = 0
             else:
                 prob = (tprobs[i] - dprobs[i]).clamp(min=0)
             score = [float(x) * float(q) for x, q in zip(prob, inv_q[r], strict=True)]
@@ -196,8 +197,7 @@ def test_recovered_tokens_match_reference(seed, with_draft_probs, fp64):
     from vllm.v1.sample.rejection_sampler import _sample_recovered_tokens
 
     vocab = 11
-    counts, cu, draft, gen = _batch(seed, vocab=vocab)
-    draft = draft.clamp(min=0)
+    counts, cu, draft, gen = _batch(seed, vocab=vocab)  # one draft is -1
     num_tokens = len(draft)
     tprobs = torch.rand(num_tokens, vocab, generator=gen).softmax(-1)
     dprobs = torch.rand(num_tokens, vocab, generator=gen).softmax(-1)

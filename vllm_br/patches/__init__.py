@@ -162,12 +162,13 @@ def user_error_sentence(exc: BaseException) -> str | None:
     """The one sentence to show for an error the user caused, else None."""
     from vllm_br import compat
     from vllm_br.errors import SUPAConfigError
+    from vllm_br.spec_decode.config import vllm_error_sentence
 
     for err in _causes(exc):
         if isinstance(err, SUPAConfigError):
             return str(err)
     for err in _causes(exc):
-        sentence = compat.known_vllm_user_error(err)
+        sentence = compat.known_vllm_user_error(err) or vllm_error_sentence(err)
         if sentence is not None:
             return sentence
     return None

@@ -193,8 +193,10 @@ def sample_recovered_tokens_kernel(
     )
     target = target_probs_ptr[:num_tokens]
     if NO_DRAFT_PROBS:
+        # A padded draft (-1) masks nothing.
         drafted = draft_token_ids_ptr[:num_tokens].to(torch.int64).unsqueeze(1)
-        prob = target.scatter(1, drafted, 0.0)
+        vocab_ids = torch.arange(target.shape[1], device=target.device)
+        prob = target.masked_fill(vocab_ids == drafted, 0.0)
     else:
         prob = (target - draft_probs_ptr[:num_tokens]).clamp(min=0.0)
     score = prob.to(inv_q_ptr.dtype) * inv_q_ptr[request_of_token]

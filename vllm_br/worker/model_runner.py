@@ -9,6 +9,7 @@ are the few places where the GPU runner assumes CUDA semantics.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.compilation.cuda_graph import CUDAGraphWrapper
 from vllm.config import CUDAGraphMode, VllmConfig
@@ -98,6 +99,41 @@ class SUPAModelRunner(GPUModelRunner):
             for value in vars(block_table).values():
                 if isinstance(value, CpuGpuBuffer):
                     value.gpu = value.cpu
+
+    def _sample(self, logits, spec_decode_metadata):
+        """Sample, then put back the generators of requests whose token is
+        discarded (a prefill chunk that is not the prompt's last), so a
+        seeded request draws the same numbers however its prompt is chunked.
+        vLLM rewinds them by Philox offset in _bookkeeping_sync; a host
+        generator (mt19937) has no offset, a saved state works for any."""
+        generators = self.input_batch.generators
+        num_reqs = self.input_batch.num_reqs
+        discarded = np.nonzero(self.discard_request_mask.np[:num_reqs])[0]
+        saved = {
+            int(i): generators[int(i)].get_state()
+            for i in discarded
+            if int(i) in generators
+        }
+        output = super()._sample(logits, spec_decode_metadata)
+        for i, state in saved.items():
+            generators[i].set_state(state)
+        self._restored_generators = list(saved)
+        return output
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        # Hide the generators _sample already put back from vLLM's offset
+        # rewind (which a host generator would refuse).
+        generators = self.input_batch.generators
+        hidden = {
+            i: generators.pop(i)
+            for i in getattr(self, "_restored_generators", ())
+            if i in generators
+        }
+        self._restored_generators = []
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            generators.update(hidden)
 
     def _sync_device(self) -> None:
         self.backend.synchronize()
