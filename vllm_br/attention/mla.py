@@ -40,6 +40,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadata,
     MLACommonMetadataBuilder,
     MLACommonPrefillMetadata,
+    QueryLenSupport,
 )
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
@@ -136,6 +137,11 @@ class SupaFlashMLAMetadataBuilder(MLACommonMetadataBuilder[SupaFlashMLAMetadata]
     _cudagraph_support: ClassVar[AttentionCGSupport] = (
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )
+    # Speculative decoding verifies 1 + k tokens per request: those batches
+    # go through the decode path, whose seq_lens are the device's. The
+    # prefill path's context lengths come from the host, which under async
+    # scheduling counts drafts that may since have been rejected.
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
 
     def __init__(
         self,
@@ -324,14 +330,24 @@ class SupaFlashMLAImpl(MLACommonImpl[SupaFlashMLAMetadata]):
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Absorbed decode: ``q`` is ``(q_nope @ W_UK, q_pe)`` per head; the
-        result ``[B, N, kv_lora_rank]`` is up-projected by the layer."""
+        result ``[tokens, N, kv_lora_rank]`` is up-projected by the layer.
+        Speculative decoding verifies ``q_len`` tokens per request (uniform):
+        token ``j`` of a request is decoded as a request of its own that ends
+        ``q_len - 1 - j`` tokens early (causal within the query)."""
         decode = attn_metadata.decode
         assert decode is not None
+        block_table, seq_lens = decode.block_table, decode.seq_lens
+        num_decodes = attn_metadata.num_decodes
+        q_len = attn_metadata.num_decode_tokens // max(num_decodes, 1)
+        if q_len > 1:
+            back = torch.arange(q_len - 1, -1, -1, device=seq_lens.device)
+            seq_lens = (seq_lens[:num_decodes, None] - back).reshape(-1)
+            block_table = block_table[:num_decodes].repeat_interleave(q_len, dim=0)
         out, _ = get_op("mla_decode")(
             q,
             kv_c_and_k_pe_cache,
-            decode.block_table,
-            decode.seq_lens,
+            block_table,
+            seq_lens,
             self.scale,
             self.kv_lora_rank,
             max_seq_len=decode.max_seq_len,
