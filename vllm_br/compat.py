@@ -53,6 +53,13 @@ CUDA_STREAM_EVENT_NAMES = (
 # Triton kernels of vLLM 0.33 core that the runner launches on every step and
 # that need a plain-torch implementation on SUPA (no Triton for SUPA).
 SLOT_MAPPING_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+# Modules whose objects break vLLM 0.33's register_kernels scan over every
+# module (vllm/triton_utils/dispatcher.py:137 reads vars(value).get): the
+# ffi library object of llvmlite (imported with numba, which vLLM's n-gram
+# proposer uses) answers any attribute, __dict__ included, with a function.
+# They hold no Triton kernel; the scan skips them (worker/kernel_overrides.py).
+KERNEL_SCAN_UNSAFE_MODULES = ("llvmlite.binding.ffi",)
+
 # The speculative-decoding path's Triton kernels (rejection sampler, EAGLE and
 # draft-model input preparation), by function name in each module; the plugin's
 # plain-torch versions (spec_decode/kernels.py) keep the same function names.

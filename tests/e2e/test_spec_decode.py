@@ -26,8 +26,8 @@ from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
 pytestmark = pytest.mark.e2e
 
 # The stand-in tier runs every proposer's greedy equality and seeded
-# sampling; drafter graphs and MTP through `vllm serve` (~40 s there) run on
-# the cpu backend only, for the stand-in tier's time budget.
+# sampling; drafter graphs run on the cpu backend only, for the stand-in
+# tier's time budget (MTP through `vllm serve` is in the slow tier).
 cpu_only_for_budget = pytest.mark.skipif(
     standin.active(), reason="stand-in tier budget: run on the cpu backend"
 )
@@ -233,7 +233,7 @@ def test_eagle_drafter_graphs_on_supa_graph_wrapper(
     assert end["replays"] > start["replays"], (start, end)
 
 
-@cpu_only_for_budget
+@pytest.mark.slow  # a `vllm serve` start (~22 s): the default tier's budget
 def test_mtp_through_vllm_serve_reports_spec_decode_metrics(mtp_dir, tmp_path):
     import requests
 

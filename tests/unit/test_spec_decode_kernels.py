@@ -49,49 +49,48 @@ def _bounds(cu, r):
     return start, int(cu[r]) - start
 
 
-def ref_greedy(out, cu, draft, argmax, bonus, is_greedy, uniform, rates):
+def _ref_requests(out, cu, bonus, skip, decide):
+    """The kernels' shared loop: per request not skipped, each draft
+    position's (token, rejected) from ``decide(token_index, position)`` up
+    to the first rejection; the bonus token after a full acceptance."""
     for r in range(out.shape[0]):
-        if is_greedy is not None and not bool(is_greedy[r]):
+        if skip(r):
             continue
         start, n = _bounds(cu, r)
         rejected = False
         for p in range(n):
             if rejected:
                 break
-            d, t = int(draft[start + p]), int(argmax[start + p])
-            if rates is not None:
-                accepted = float(uniform[start + p]) < float(rates[p]) and d >= 0
-                token = d if accepted else t
-                rejected = not accepted
-            else:
-                token, rejected = t, d != t
-            out[r, p] = token
+            out[r, p], rejected = decide(start + p, p)
         if not rejected:
             out[r, n] = int(bonus[r])
+
+
+def ref_greedy(out, cu, draft, argmax, bonus, is_greedy, uniform, rates):
+    def decide(i, p):
+        d, t = int(draft[i]), int(argmax[i])
+        if rates is not None:
+            accepted = float(uniform[i]) < float(rates[p]) and d >= 0
+            return (d if accepted else t), not accepted
+        return t, d != t
+
+    def skip(r):
+        return is_greedy is not None and not bool(is_greedy[r])
+
+    _ref_requests(out, cu, bonus, skip, decide)
 
 
 def ref_random(out, cu, draft, dprobs, tprobs, bonus, recovered, uniform, is_greedy):
-    for r in range(out.shape[0]):
-        if bool(is_greedy[r]):
-            continue
-        start, n = _bounds(cu, r)
-        rejected = False
-        for p in range(n):
-            if rejected:
-                break
-            i, d = start + p, int(draft[start + p])
-            if d < 0:
-                accepted = False
-            else:
-                dp = 1.0 if dprobs is None else float(dprobs[i, d])
-                accepted = dp > 0 and float(tprobs[i, d]) / dp >= float(uniform[i])
-            if accepted:
-                out[r, p] = d
-            else:
-                rejected = True
-                out[r, p] = int(recovered[i])
-        if not rejected:
-            out[r, n] = int(bonus[r])
+    def decide(i, p):
+        d = int(draft[i])
+        if d < 0:
+            accepted = False
+        else:
+            dp = 1.0 if dprobs is None else float(dprobs[i, d])
+            accepted = dp > 0 and float(tprobs[i, d]) / dp >= float(uniform[i])
+        return (d, False) if accepted else (int(recovered[i]), True)
+
+    _ref_requests(out, cu, bonus, lambda r: bool(is_greedy[r]), decide)
 
 
 def ref_recovered(cu, draft, dprobs, tprobs, inv_q):

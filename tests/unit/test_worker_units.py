@@ -137,13 +137,15 @@ def test_context_parallelism_is_refused():
 def test_registered_over_vllm_triton_kernel(monkeypatch):
     import warnings
 
+    import numba  # noqa: F401 (see below)
     from vllm.triton_utils import dispatcher
     from vllm.v1.worker import block_table as bt
 
     from vllm_br.worker import kernel_overrides
 
     # Registering scans every module (torch.distributed's deprecated
-    # reduce_op included) without a warning reaching the user.
+    # reduce_op included) without a warning reaching the user, and with
+    # numba (llvmlite) imported, whose ffi object breaks vLLM's scan.
     monkeypatch.setattr(kernel_overrides, "_installed", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -5,6 +5,7 @@ speculative-decoding kernels from ``vllm_br.spec_decode.kernels``."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -61,14 +62,25 @@ def register_kernel_overrides() -> None:
     # with hasattr (vllm/triton_utils/dispatcher.py:137), which touches
     # torch.distributed's deprecated ``reduce_op`` and makes torch warn about
     # an API no one here uses; that one warning is silenced, nothing else.
+    # Modules that break the scan (compat.KERNEL_SCAN_UNSAFE_MODULES) are
+    # out of sys.modules while it runs, so importing numba before a SUPA
+    # engine starts does not stop it.
+    hidden = {
+        name: sys.modules.pop(name)
+        for name in compat.KERNEL_SCAN_UNSAFE_MODULES
+        if name in sys.modules
+    }
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=compat.TORCH_REDUCE_OP_WARNING, category=FutureWarning
         )
-        register_kernels(
-            {
-                compat.SLOT_MAPPING_KERNEL: compute_slot_mapping,
-                **spec_decode_overrides(),
-            }
-        )
+        try:
+            register_kernels(
+                {
+                    compat.SLOT_MAPPING_KERNEL: compute_slot_mapping,
+                    **spec_decode_overrides(),
+                }
+            )
+        finally:
+            sys.modules.update(hidden)
     _installed = True
