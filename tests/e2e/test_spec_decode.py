@@ -19,18 +19,14 @@ import re
 
 import pytest
 
-from tests.fixtures import standin
 from tests.fixtures.engine import counter, llm_engine, token_ids
 from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
 
 pytestmark = pytest.mark.e2e
 
-# The stand-in tier runs every proposer's greedy equality and seeded
-# sampling; drafter graphs run on the cpu backend only, for the stand-in
-# tier's time budget (MTP through `vllm serve` is in the slow tier).
-cpu_only_for_budget = pytest.mark.skipif(
-    standin.active(), reason="stand-in tier budget: run on the cpu backend"
-)
+# The default and stand-in tiers run every proposer's greedy equality and
+# seeded sampling; drafter graphs (an inductor compile) and MTP through
+# `vllm serve` are in the slow tier, which runs on the cpu backend.
 
 MAX_TOKENS = 24
 NUM_SPEC = 3
@@ -207,7 +203,7 @@ def drafter_graph_facts(worker) -> dict:
     }
 
 
-@cpu_only_for_budget
+@pytest.mark.slow  # compiles target and head (~15-23 s): the default tier's budget
 def test_eagle_drafter_graphs_on_supa_graph_wrapper(
     tiny_llama_dir, reference, tmp_path
 ):
