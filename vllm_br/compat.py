@@ -114,12 +114,13 @@ _SPEC_VOCAB = re.compile(
     r"Target model vocab_size=(\d+)\. Draft model vocab_size=(\d+)\."
 )
 _SPEC_NO_METHOD = re.compile(r"Unsupported speculative method: '([^']*)'")
+_SPEC_SUFFIX = "Arctic Inference is required for suffix decoding"
 
 
 def speculative_config_error(err: BaseException) -> tuple[str, tuple] | None:
     """("method", (value,)), ("num_speculative_tokens", (value,)),
-    ("vocab", (target, draft)) or ("no_draft", (method,)) for vLLM's refusal
-    ``err``, else None."""
+    ("vocab", (target, draft)), ("no_draft", (method,)) or ("unserved",
+    (method,)) for vLLM's refusal ``err``, else None."""
     if type(err).__name__ == "ValidationError" and (
         getattr(err, "title", "") == "SpeculativeConfig"
     ):
@@ -133,6 +134,9 @@ def speculative_config_error(err: BaseException) -> tuple[str, tuple] | None:
     match = _SPEC_NO_METHOD.search(str(err))
     if match:
         return "no_draft", (match.group(1),)
+    if _SPEC_SUFFIX in str(err):
+        # vLLM looks for suffix decoding's package before any platform check.
+        return "unserved", ("suffix",)
     return None
 
 

@@ -291,6 +291,11 @@ BAD = {
         r"Speculative method 'ngram_gpu' \(--speculative-config method\) is not served "
         r"on SUPA; use one of ngram, draft_model, eagle, eagle3, mtp\.",
     ),
+    "suffix": (
+        dict(method="suffix", num_speculative_tokens=2),
+        r"Speculative method 'suffix' \(--speculative-config method\) is not served "
+        r"on SUPA; use one of ngram, draft_model, eagle, eagle3, mtp\.",
+    ),
     "fly": (
         dict(
             method="ngram",

@@ -34,10 +34,7 @@ def check_speculative_config(vllm_config: VllmConfig) -> None:
     if spec is None:
         return
     if spec.method not in SERVED_METHODS:
-        raise SUPAConfigError(
-            f"Speculative method {spec.method!r} (--speculative-config method) is "
-            f"not served on SUPA; use one of {', '.join(SERVED_METHODS)}."
-        )
+        raise SUPAConfigError(_unserved_method(spec.method))
     if spec.rejection_sample_method not in SERVED_REJECTION_METHODS:
         raise SUPAConfigError(
             "--speculative-config rejection_sample_method "
@@ -52,6 +49,13 @@ def check_speculative_config(vllm_config: VllmConfig) -> None:
         )
 
 
+def _unserved_method(method: str) -> str:
+    return (
+        f"Speculative method {method!r} (--speculative-config method) is not "
+        f"served on SUPA; use one of {', '.join(SERVED_METHODS)}."
+    )
+
+
 def vllm_error_sentence(err: BaseException) -> str | None:
     """One sentence for vLLM's own refusal of a speculative configuration."""
     found = compat.speculative_config_error(err)
@@ -59,6 +63,8 @@ def vllm_error_sentence(err: BaseException) -> str | None:
         return None
     kind, facts = found
     methods = ", ".join(SERVED_METHODS)
+    if kind == "unserved":
+        return _unserved_method(facts[0])
     if kind == "method":
         return (
             f"Speculative method {facts[0]!r} (--speculative-config method) is not "

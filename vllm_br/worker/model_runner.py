@@ -53,6 +53,8 @@ class SUPAModelRunner(GPUModelRunner):
         self.backend = get_backend()
         install_stream_aliases(self.backend)
         super().__init__(vllm_config, device)
+        # Batch rows whose generators _sample put back this step.
+        self._restored_generators: list[int] = []
         if self.backend.host_memory_is_device_memory:
             self._share_host_and_device_buffers()
         # The greedy step through the op registry (an instance attribute
@@ -125,9 +127,7 @@ class SUPAModelRunner(GPUModelRunner):
         # rewind (which a host generator would refuse).
         generators = self.input_batch.generators
         hidden = {
-            i: generators.pop(i)
-            for i in getattr(self, "_restored_generators", ())
-            if i in generators
+            i: generators.pop(i) for i in self._restored_generators if i in generators
         }
         self._restored_generators = []
         try:
