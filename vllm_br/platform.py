@@ -14,7 +14,14 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_br import device, envs
-from vllm_br.attention import SUPA_BLOCK_SIZE, SUPA_FLASH_ATTN_PATH, SUPA_FLASH_MLA_PATH
+from vllm_br.attention import (
+    SUPA_BLOCK_SIZE,
+    SUPA_FLASH_ATTN_PATH,
+    SUPA_FLASH_MLA_PATH,
+    SUPA_FLASH_MLA_SPARSE_PATH,
+    SUPA_SPARSE_INDEXER_OP,
+    SUPA_SPARSE_MLA_MAX_TOPK,
+)
 from vllm_br.errors import SUPAConfigError
 from vllm_br.logger import init_logger
 from vllm_br.quantization import scheme as quant_scheme
@@ -174,11 +181,12 @@ class SUPAPlatform(Platform):
     ) -> str:
         if getattr(attn_selector_config, "use_mla", False):
             if getattr(attn_selector_config, "use_sparse", False):
-                raise SUPAConfigError(
-                    "This model uses sparse MLA attention (DeepSeek V3.2 style), "
-                    "which SUPAPlatform does not serve yet; serve a dense MLA "
-                    "model (DeepSeek V2/V3) or one with standard attention."
+                _warn_unavailable(
+                    selected_backend,
+                    "SUPA_FLASH_MLA_SPARSE",
+                    "SupaFlashMLASparseBackend",
                 )
+                return SUPA_FLASH_MLA_SPARSE_PATH
             _warn_unavailable(selected_backend, "SUPA_FLASH_MLA", "SupaFlashMLABackend")
             return SUPA_FLASH_MLA_PATH
         _warn_unavailable(
@@ -200,8 +208,12 @@ class SUPAPlatform(Platform):
     def pre_register_and_update(cls, parser=None) -> None:
         """Before vLLM parses arguments or builds a config: the V1 model
         runner, unless the user asked otherwise (check_and_update_config
-        then refuses it in one sentence)."""
+        then refuses it in one sentence). vLLM turns on its breakable CUDA
+        graphs for some architectures (DeepSeek V3.2 among them) unless the
+        variable is set; they capture torch.cuda graphs, and SUPA captures
+        through its own graph wrapper (docs/graphs.md)."""
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
@@ -215,6 +227,7 @@ class SUPAPlatform(Platform):
         _apply_cache_policy(vllm_config)
         _apply_model_policy(vllm_config)
         _apply_compilation_policy(vllm_config)
+        _apply_sparse_mla_policy(vllm_config)
         _apply_scheduler_policy(vllm_config)
         check_speculative_config(vllm_config)
 
@@ -396,6 +409,13 @@ def _apply_compilation_policy(vllm_config: VllmConfig) -> None:
             f"Compilation mode {compilation_config.mode.name} is not supported on "
             "SUPA; use -cc.mode=VLLM_COMPILE (piecewise compile) or --enforce-eager."
         )
+    from vllm import envs as vllm_envs
+
+    if vllm_envs.VLLM_USE_BREAKABLE_CUDAGRAPH:
+        raise SUPAConfigError(
+            "VLLM_USE_BREAKABLE_CUDAGRAPH=1 (vLLM's breakable CUDA graphs) is not "
+            "supported on SUPA; unset it and choose graphs with -cc.cudagraph_mode."
+        )
     # vLLM's AOT-compiled model artifacts do not survive a save/load round
     # trip with the SUPA compile backend (the save fails with "'NoneType'
     # object is not callable" and a later engine of the same config fails to
@@ -416,6 +436,43 @@ def _apply_compilation_policy(vllm_config: VllmConfig) -> None:
         compilation_config.custom_ops = ["all"] + [
             op for op in compilation_config.custom_ops if op.startswith("-")
         ]
+
+
+def _apply_sparse_mla_policy(vllm_config: VllmConfig) -> None:
+    """DeepSeek Sparse Attention (a model config with ``index_topk``, vLLM's
+    own test): the top-k must fit the SUPA kernels, the indexer op splits the
+    compiled graph (it reads the step's metadata, as vLLM's indexer op does),
+    and the MTP draft layers (vLLM's FP8 indexer) are not served."""
+    from vllm.config import CompilationMode
+
+    model_config = vllm_config.model_config
+    if model_config is None or not hasattr(model_config.hf_text_config, "index_topk"):
+        return
+    topk = model_config.hf_text_config.index_topk
+    if not isinstance(topk, int) or not 0 < topk <= SUPA_SPARSE_MLA_MAX_TOPK:
+        raise SUPAConfigError(
+            f"index_topk={topk!r} in the model's config.json is not supported by "
+            "SUPA's sparse MLA; it needs an index_topk from 1 to "
+            f"{SUPA_SPARSE_MLA_MAX_TOPK}."
+        )
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method == "mtp":
+        raise SUPAConfigError(
+            "Speculative decoding with method 'mtp' is not supported on SUPA for "
+            "sparse-attention (DeepSeek V3.2) models; use method 'ngram' or serve "
+            "without --speculative-config."
+        )
+    cc = vllm_config.compilation_config
+    if cc.mode != CompilationMode.VLLM_COMPILE:
+        return
+    if cc.splitting_ops is None:
+        # vLLM's default list (it would fill it after this hook), plus ours.
+        cc.set_splitting_ops_for_v1(
+            all2all_backend=vllm_config.parallel_config.all2all_backend,
+            data_parallel_size=vllm_config.parallel_config.data_parallel_size,
+        )
+    if cc.splitting_ops is not None and SUPA_SPARSE_INDEXER_OP not in cc.splitting_ops:
+        cc.splitting_ops.append(SUPA_SPARSE_INDEXER_OP)
 
 
 def _apply_scheduler_policy(vllm_config: VllmConfig) -> None:

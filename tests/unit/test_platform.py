@@ -333,12 +333,18 @@ def test_mla_selects_supa_flash_mla_and_its_prefill_backend():
     assert prefill is SupaMLAPrefillBackend
 
 
-def test_sparse_mla_raises():
-    with pytest.raises(SUPAConfigError, match="sparse MLA") as info:
-        SUPAPlatform.get_attn_backend_cls(
-            None, _selector(use_mla=True, use_sparse=True)
-        )
-    assert _is_one_sentence(str(info.value))
+def test_sparse_mla_selects_the_sparse_backend():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    path = SUPAPlatform.get_attn_backend_cls(
+        None, _selector(use_mla=True, use_sparse=True)
+    )
+    assert path == "vllm_br.attention.sparse_mla.SupaFlashMLASparseBackend"
+    backend = AttentionBackendEnum["SUPA_FLASH_MLA_SPARSE"].get_class()
+    assert backend.is_sparse() and backend.is_mla()
+    assert AttentionBackendEnum["SUPA_SPARSE_INDEXER"].get_class().get_name() == (
+        "SUPA_SPARSE_INDEXER"
+    )
 
 
 # ---- validate_environ -------------------------------------------------------

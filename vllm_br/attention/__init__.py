@@ -1,7 +1,7 @@
 """SUPA attention backends for vLLM.
 
-``register_attention_backends()`` adds ``SUPA_FLASH_ATTN`` and
-``SUPA_FLASH_MLA`` to vLLM's ``AttentionBackendEnum`` (vLLM's attention
+``register_attention_backends()`` adds ``SUPA_FLASH_ATTN``,
+``SUPA_FLASH_MLA``, ``SUPA_FLASH_MLA_SPARSE`` and ``SUPA_SPARSE_INDEXER`` to vLLM's ``AttentionBackendEnum`` (vLLM's attention
 layers resolve a backend's ``get_name()`` through that enum, so the names
 must be registered in every process that builds a model). The general plugin
 calls it; it is idempotent. Importing this package imports no vLLM attention
@@ -17,11 +17,23 @@ SUPA_FLASH_ATTN = "SUPA_FLASH_ATTN"
 SUPA_FLASH_ATTN_PATH = "vllm_br.attention.backend.SUPAFlashAttentionBackend"
 SUPA_FLASH_MLA = "SUPA_FLASH_MLA"
 SUPA_FLASH_MLA_PATH = "vllm_br.attention.mla.SupaFlashMLABackend"
+SUPA_FLASH_MLA_SPARSE = "SUPA_FLASH_MLA_SPARSE"
+SUPA_FLASH_MLA_SPARSE_PATH = "vllm_br.attention.sparse_mla.SupaFlashMLASparseBackend"
+SUPA_SPARSE_INDEXER = "SUPA_SPARSE_INDEXER"
+SUPA_SPARSE_INDEXER_PATH = "vllm_br.attention.sparse_mla.SupaSparseIndexerBackend"
+
+#: The torch op of the SUPA lightning indexer; a graph splitting op.
+SUPA_SPARSE_INDEXER_OP = "vllm_br::sparse_attn_indexer"
+#: The largest ``index_topk`` the SUPA sparse MLA kernels hold per token
+#: (DeepSeek V3.2 selects 2048).
+SUPA_SPARSE_MLA_MAX_TOPK = 2048
 
 #: Every backend the plugin registers: enum member name -> class path.
 BACKENDS = {
     SUPA_FLASH_ATTN: SUPA_FLASH_ATTN_PATH,
     SUPA_FLASH_MLA: SUPA_FLASH_MLA_PATH,
+    SUPA_FLASH_MLA_SPARSE: SUPA_FLASH_MLA_SPARSE_PATH,
+    SUPA_SPARSE_INDEXER: SUPA_SPARSE_INDEXER_PATH,
 }
 
 __all__ = [
@@ -31,6 +43,12 @@ __all__ = [
     "SUPA_FLASH_ATTN_PATH",
     "SUPA_FLASH_MLA",
     "SUPA_FLASH_MLA_PATH",
+    "SUPA_FLASH_MLA_SPARSE",
+    "SUPA_FLASH_MLA_SPARSE_PATH",
+    "SUPA_SPARSE_INDEXER",
+    "SUPA_SPARSE_INDEXER_OP",
+    "SUPA_SPARSE_MLA_MAX_TOPK",
+    "SUPA_SPARSE_INDEXER_PATH",
     "register_attention_backends",
 ]
 
