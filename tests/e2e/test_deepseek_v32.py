@@ -155,6 +155,7 @@ def v32(tmp_path_factory):
     return path, prompts, hits, expected
 
 
+@pytest.mark.cpu_backend  # HF only: nothing for the stand-in to run
 def test_sparsity_decides_the_tokens(v32, tmp_path):
     """The same weights attending every token (index_topk above every
     prompt) continue the long prompts differently: the tests below would

@@ -1,6 +1,13 @@
 """Bad input stops `vllm serve` with one sentence naming the setting, exit
 status 1, and nothing left running. On the cpu backend only: the refusals
-come before any device is touched (the stand-in tier skips the module)."""
+come before any device is touched (the stand-in tier skips the module).
+
+Four refusals run through `vllm serve` itself (an environment variable, the
+device choice, a CLI argument, an architecture no one serves: the CLI hook's
+printing, the exit status and the clean-up); the others stop ``LLM(...)`` in
+this process, and the sentence checked is what the same hook would print
+(``user_error_sentence``): each `vllm serve` costs ~9 s of a core importing
+vLLM."""
 
 from __future__ import annotations
 
@@ -72,7 +79,9 @@ def _one_sentence(line: str) -> str:
     return sentence
 
 
-# id -> (environment, `vllm serve` arguments, what the sentence must say)
+# id -> (environment, `vllm serve` arguments, what the sentence must say);
+# SERVED go through `vllm serve`, the others through LLM(...) in-process.
+SERVED = ("weight-type", "device", "block-size")
 BAD_SETTINGS = {
     "weight-type": (
         {"VLLM_BR_WEIGHT_TYPE": "bogus"},
@@ -116,6 +125,7 @@ def refused(tiny_llama_dir, tmp_path_factory) -> dict[str, tuple[int, str, str]]
     runs = {
         name: (tiny_llama_dir, args, env)
         for name, (env, args, _) in BAD_SETTINGS.items()
+        if name in SERVED
     }
     runs["unknown-arch"] = (unknown, (), {})
     return _serve_errors(runs)
@@ -128,10 +138,30 @@ def _refusal(refused: dict[str, tuple[int, str, str]], name: str) -> str:
     return _one_sentence(line)
 
 
-@pytest.mark.parametrize("name", list(BAD_SETTINGS))
+@pytest.mark.parametrize("name", SERVED)
 def test_bad_setting_one_sentence(refused, name):
     sentence = _refusal(refused, name)
     assert re.search(BAD_SETTINGS[name][2], sentence), sentence
+
+
+@pytest.mark.parametrize("name", [n for n in BAD_SETTINGS if n not in SERVED])
+def test_bad_setting_one_sentence_in_process(tiny_llama_dir, monkeypatch, name):
+    from vllm import LLM
+
+    from vllm_br.patches import user_error_sentence
+
+    env, args, expected = BAD_SETTINGS[name]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    kwargs = {"enforce_eager": True}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        kwargs[flag.removeprefix("--").replace("-", "_")] = value
+    with pytest.raises(Exception) as err:  # noqa: B017 (vLLM's own types vary)
+        LLM(model=str(tiny_llama_dir), **kwargs)
+    sentence = user_error_sentence(err.value)
+    assert sentence is not None, repr(err.value)
+    _one_sentence("Error: " + sentence)
+    assert re.search(expected, sentence), sentence
 
 
 def test_unknown_architecture_one_sentence(refused):
