@@ -4,7 +4,7 @@ until one is written."""
 
 from __future__ import annotations
 
-from vllm_br.check import attention, mla, moe, ops, quant
+from vllm_br.check import attention, mla, moe, ops, quant, sparse_mla
 from vllm_br.check.base import OpCheck
 from vllm_br.check.result import Outcome
 from vllm_br.ops.registry import registered_ops, resolve_all
@@ -14,7 +14,7 @@ def op_checks() -> dict[str, list[OpCheck]]:
     """The op checks of each group."""
     return {
         "ops": [*ops.CHECKS, *quant.CHECKS, *moe.CHECKS],
-        "attention": [*attention.CHECKS, *mla.CHECKS],
+        "attention": [*attention.CHECKS, *mla.CHECKS, *sparse_mla.CHECKS],
     }
 
 
