@@ -73,14 +73,18 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     """On the stand-in, skip what runs on the cpu backend whatever the device
-    (the ``cpu_backend`` marker): the default tier already ran it."""
+    (the ``cpu_backend`` marker): the default tier already ran it. On cpu,
+    skip what checks the supa backend itself (``supa_backend``): the stand-in
+    tier runs it."""
     from tests.fixtures import standin
 
-    if not standin.active():
-        return
-    skip = pytest.mark.skip(reason="cpu_backend: the default tier runs it")
+    if standin.active():
+        marker, reason = "cpu_backend", "cpu_backend: the default tier runs it"
+    else:
+        marker, reason = "supa_backend", "supa_backend: the stand-in tier runs it"
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
-        if item.get_closest_marker("cpu_backend"):
+        if item.get_closest_marker(marker):
             item.add_marker(skip)
 
 

@@ -20,11 +20,11 @@ tokens, so the selection decides the result.
   and the plugin's sparse ops ran (counted) while the dense MLA decode did
   not.
 - bfloat16: vLLM's ``check_logprobs_close`` rule against HF in bfloat16.
-- The backend's default compilation and graph mode (cpu: compiled pieces,
-  slow tier; supa: the indexer op splits the graph, graphs PIECEWISE, in the
-  stand-in tier) gives HF's tokens.
+- Compiled and with graphs, HF's tokens: on the stand-in (its tier) the supa
+  default, where the indexer op splits the graph and graphs run PIECEWISE;
+  on cpu TP=2 with vLLM's compilation (dynamo split at the indexer op), which
+  also shows TP=2 equal to TP=1.
 - Settings the sparse path cannot serve stop at start-up with one sentence.
-- TP=2 equals TP=1 in float32 (slow tier).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import shutil
 
 import pytest
 
-from tests.fixtures import standin
 from tests.fixtures.engine import (
     check_logprobs_close,
     counter,
@@ -205,6 +204,7 @@ def test_float32_identical_to_hf_with_chunked_prefill_and_prefix_hits(v32):
     assert hit_tokens >= 512 + 128
 
 
+@pytest.mark.cpu_backend  # the stand-in runs the same ops: float32 there
 def test_bfloat16_follows_check_logprobs_close(v32):
     path, prompts, _, _ = v32
 
@@ -238,14 +238,12 @@ def graph_facts(worker) -> dict:
     }
 
 
-# On cpu the default compiles the model with inductor (~35 s here): slow tier.
-# On the stand-in (-cc.backend=eager, ~7 s) it runs in the stand-in tier,
-# where the supa default's graphs are captured and replayed.
-@(pytest.mark.slow if not standin.active() else lambda test: test)
+@pytest.mark.supa_backend
 def test_default_graph_mode_identical_to_hf(v32):
-    """The backend's default compilation and graph mode (no --enforce-eager):
-    the indexer op splits the compiled graph; on supa (FULL_AND_PIECEWISE
-    asked) the sparse backends keep graphs PIECEWISE."""
+    """The supa default (FULL_AND_PIECEWISE asked, no --enforce-eager) on the
+    stand-in: the indexer op splits the graph and the sparse backends keep
+    graphs PIECEWISE, captured and replayed. On cpu, compiled pieces run at
+    TP=2 below."""
     path, prompts, _, expected = v32
     config = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
     with llm_engine(
@@ -255,7 +253,7 @@ def test_default_graph_mode_identical_to_hf(v32):
         assert token_ids(_generate(llm, prompts, _greedy())) == expected[:-2]
     assert facts["mode"] == "VLLM_COMPILE"
     assert "vllm_br::sparse_attn_indexer" in facts["splitting_ops"]
-    assert facts["cudagraph_mode"] == ("PIECEWISE" if standin.active() else "NONE")
+    assert facts["cudagraph_mode"] == "PIECEWISE"
 
 
 BAD = {
@@ -319,15 +317,24 @@ def test_bad_setting_one_sentence(name, v32, tmp_path, monkeypatch):
     assert sentence.endswith(".") and not re.search(r"\.\s+[A-Z]", sentence[:-1])
 
 
-@pytest.mark.slow  # two engines, one of them TP=2 in its own processes
-def test_float32_tp2_identical_to_tp1(v32):
+@pytest.mark.cpu_backend  # TP=2 processes: the stand-in tier has no room
+def test_tp2_compiled_identical_to_hf(v32):
+    """TP=2 (the MLA heads split, the indexer replicated), compiled by vLLM
+    (dynamo; the indexer op splits the graph; pieces run through the eager
+    compile backend, as on the stand-in, to keep inductor's ~35 s of code
+    generation out of the default tier): HF's float32 tokens, as TP=1 gives
+    (the tests above)."""
     path, prompts, _, expected = v32
+    config = {"mode": "VLLM_COMPILE", "backend": "eager"}
     with llm_engine(
         path, dtype="float32", tensor_parallel_size=2,
-        distributed_executor_backend="mp", **ENGINE, **CHUNKED,
+        distributed_executor_backend="mp", compilation_config=config,
+        **ENGINE, **CHUNKED,
     ) as llm:  # fmt: skip
         facts = llm.collective_rpc(sparse_facts)
+        graphs = llm.collective_rpc(graph_facts)
         tp2 = token_ids(_generate(llm, prompts, _greedy()))
     assert [f["model_class"] for f in facts] == ["SupaDeepseekV32ForCausalLM"] * 2
-    # TP=1 is HF's float32 output (test above); TP=2 gives the same tokens.
+    assert {g["mode"] for g in graphs} == {"VLLM_COMPILE"}
+    assert all("vllm_br::sparse_attn_indexer" in g["splitting_ops"] for g in graphs)
     assert tp2 == expected[:-2]
