@@ -21,7 +21,8 @@ tokens, so the selection decides the result.
   not.
 - bfloat16: vLLM's ``check_logprobs_close`` rule against HF in bfloat16.
 - Compiled and with graphs, HF's tokens: on the stand-in (its tier) the supa
-  default, where the indexer op splits the graph and graphs run PIECEWISE;
+  default, where the indexer op splits the graph, decodes replay FULL graphs
+  and prefills PIECEWISE ones;
   on cpu TP=2 with vLLM's compilation (dynamo split at the indexer op), which
   also shows TP=2 equal to TP=1.
 - Settings the sparse path cannot serve stop at start-up with one sentence.
@@ -229,31 +230,47 @@ def test_bfloat16_follows_check_logprobs_close(v32):
 
 
 def graph_facts(worker) -> dict:
+    """Inside the worker: the compilation and graph modes served, and the
+    replays of the graphs captured in each runtime mode."""
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
     runner = getattr(worker, "worker", worker).model_runner
     cc = runner.vllm_config.compilation_config
+    replays: dict[str, int] = {}
+    for wrapper in CUDAGraphWrapper._all_instances:
+        for entry in wrapper.concrete_cudagraph_entries.values():
+            if entry.cudagraph is not None:
+                mode = wrapper.runtime_mode.name
+                replays[mode] = replays.get(mode, 0) + entry.cudagraph.replays
     return {
         "mode": cc.mode.name,
         "cudagraph_mode": cc.cudagraph_mode.name,
         "splitting_ops": list(cc.splitting_ops or []),
+        "replays": replays,
     }
 
 
 @pytest.mark.supa_backend
 def test_default_graph_mode_identical_to_hf(v32):
-    """The supa default (FULL_AND_PIECEWISE asked, no --enforce-eager) on the
-    stand-in: the indexer op splits the graph and the sparse backends keep
-    graphs PIECEWISE, captured and replayed. On cpu, compiled pieces run at
-    TP=2 below."""
+    """The supa default (FULL_AND_PIECEWISE, no --enforce-eager) on the
+    stand-in: the indexer op splits the compiled graph; decode batches replay
+    FULL graphs (indexer, top-k and sparse attention captured whole); PIECEWISE
+    pieces are captured too (the prefill here, 985 tokens, is above the
+    largest capture size and runs the compiled pieces without graphs). On
+    cpu, compiled pieces run at TP=2 below."""
     path, prompts, _, expected = v32
     config = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
     with llm_engine(
         path, dtype="float32", compilation_config=config, max_num_seqs=8, **ENGINE
     ) as llm:
-        facts = llm.collective_rpc(graph_facts)[0]
         assert token_ids(_generate(llm, prompts, _greedy())) == expected[:-2]
+        facts = llm.collective_rpc(graph_facts)[0]
     assert facts["mode"] == "VLLM_COMPILE"
     assert "vllm_br::sparse_attn_indexer" in facts["splitting_ops"]
-    assert facts["cudagraph_mode"] == "PIECEWISE"
+    assert facts["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    # 5 prompts, 8 tokens each: every decode step a FULL replay.
+    assert facts["replays"].get("FULL", 0) >= MAX_TOKENS - 1, facts
+    assert "PIECEWISE" in facts["replays"], facts
 
 
 BAD = {

@@ -8,8 +8,8 @@ writes the ``index_topk`` best request-local positions into the model's
 shared top-k buffer. The MLA layer then attends only those positions.
 
 * :class:`SupaSparseIndexerBackend` - the indexer cache's backend: block size
-  128, keys in the model's dtype, metadata = slot mapping, block table, and
-  per token its request and the number of keys it sees.
+  128, keys in the model's dtype, metadata = slot mapping, block table,
+  query starts and sequence lengths.
 * ``torch.ops.vllm_br.sparse_attn_indexer`` - the indexer's cache write and
   top-k (ops ``indexer_k_cache_write`` and ``sparse_attn_indexer``) as one
   opaque op that reads the step's metadata from vLLM's forward context; it is
@@ -19,6 +19,10 @@ shared top-k buffer. The MLA layer then attends only those positions.
   ``SUPA_FLASH_MLA`` (whose cache write it shares); every token, prefill and
   decode, takes the absorbed path restricted to its top-k positions
   (op ``sparse_mla_attention``), as vLLM's XPU sparse backend does.
+
+Both builders support FULL graphs of uniform single-token decode batches: the
+ops compute each token's request and visible length from the runner's
+persistent buffers (``token_requests``), so a replay re-reads them.
 
 See docs/mla.md.
 """
@@ -66,20 +70,26 @@ _LAYOUTS = (
 )
 
 
-def _token_requests(
-    common: CommonAttentionMetadata,
+def token_requests(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token: its request, and how many of the request's tokens it sees
-    (its context and itself), from the device's query starts and sequence
-    lengths (under async scheduling the host's may be ahead)."""
-    num_tokens = common.num_actual_tokens
-    num_reqs = common.num_reqs
-    qsl = common.query_start_loc[: num_reqs + 1].to(torch.long)
+    (its context and itself). Computed on the device from the runner's query
+    starts and sequence lengths (under async scheduling the host's may be
+    ahead), inside the ops: a captured graph re-reads those buffers at every
+    replay. Padding requests (sequence length 0) see nothing."""
+    num_reqs = seq_lens.shape[0]
+    qsl = query_start_loc[: num_reqs + 1].to(torch.long)
     tokens = torch.arange(num_tokens, device=qsl.device)
     req = torch.searchsorted(qsl[1:], tokens, right=True).clamp_(max=num_reqs - 1)
-    seq_lens = common.seq_lens[:num_reqs].to(torch.long)
-    key_lens = seq_lens[req] - (qsl[req + 1] - 1 - tokens)
-    return req.to(torch.int32), key_lens.clamp_(min=0).to(torch.int32)
+    key_lens = seq_lens.to(torch.long)[req] - (qsl[req + 1] - 1 - tokens)
+    return req, key_lens.clamp_(min=0)
+
+
+def _capture_bound(common: CommonAttentionMetadata, block_size: int) -> int:
+    """A captured graph keeps its host values: bound the gathers by the
+    block table's full width so every batch of the captured size fits."""
+    return common.block_table_tensor.shape[1] * block_size
 
 
 # --------------------------------------------------------------------------- #
@@ -92,16 +102,20 @@ class SupaSparseIndexerMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor
     block_table: torch.Tensor
-    token_to_req: torch.Tensor
-    key_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
     max_key_len: int
-    """Host-side upper bound of ``key_lens`` (sizes the gather)."""
+    """Host-side upper bound of the tokens a query sees (sizes the gather)."""
 
 
 class SupaSparseIndexerMetadataBuilder(
     AttentionMetadataBuilder[SupaSparseIndexerMetadata]
 ):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Decode batches can be captured whole; prefills run eagerly between
+    # PIECEWISE pieces (the indexer op splits the graph).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
     def __init__(
         self,
@@ -119,15 +133,23 @@ class SupaSparseIndexerMetadataBuilder(
         fast_build: bool = False,
     ) -> SupaSparseIndexerMetadata:
         common = common_attn_metadata
-        token_to_req, key_lens = _token_requests(common)
         return SupaSparseIndexerMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens],
             block_table=common.block_table_tensor[: common.num_reqs],
-            token_to_req=token_to_req,
-            key_lens=key_lens,
+            query_start_loc=common.query_start_loc[: common.num_reqs + 1],
+            seq_lens=common.seq_lens[: common.num_reqs],
             max_key_len=int(common.max_seq_len),
         )
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> SupaSparseIndexerMetadata:
+        metadata = super().build_for_cudagraph_capture(common_attn_metadata)
+        metadata.max_key_len = _capture_bound(
+            common_attn_metadata, self.kv_cache_spec.block_size
+        )
+        return metadata
 
 
 class SupaSparseIndexerBackend(AttentionBackend):
@@ -183,13 +205,16 @@ def _sparse_attn_indexer(
     k_cache = get_forward_context().no_compile_layers[layer_name].kv_cache
     num_tokens = metadata.num_actual_tokens
     get_op("indexer_k_cache_write")(k[:num_tokens], k_cache, metadata.slot_mapping)
+    token_to_req, key_lens = token_requests(
+        metadata.query_start_loc, metadata.seq_lens, num_tokens
+    )
     get_op("sparse_attn_indexer")(
         q[:num_tokens],
         weights[:num_tokens],
         k_cache,
         metadata.block_table,
-        metadata.token_to_req,
-        metadata.key_lens,
+        token_to_req,
+        key_lens,
         softmax_scale,
         topk,
         max_key_len=metadata.max_key_len,
@@ -233,7 +258,8 @@ class SupaFlashMLASparseMetadata:
     max_query_len: int
     max_seq_len: int
     block_table: torch.Tensor
-    token_to_req: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
     topk_tokens: int
     # vLLM's MLA layer splits on these: every token is routed to the top-k
     # MQA path (num_decode_tokens == num_actual_tokens).
@@ -245,7 +271,11 @@ class SupaFlashMLASparseMetadata:
 class SupaFlashMLASparseMetadataBuilder(
     AttentionMetadataBuilder[SupaFlashMLASparseMetadata]
 ):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Decode batches can be captured whole: the op reads the top-k buffer,
+    # the block table and the query starts from persistent buffers.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
     def __init__(
         self,
@@ -264,14 +294,14 @@ class SupaFlashMLASparseMetadataBuilder(
         fast_build: bool = False,
     ) -> SupaFlashMLASparseMetadata:
         common = common_attn_metadata
-        token_to_req, _ = _token_requests(common)
         return SupaFlashMLASparseMetadata(
             num_reqs=common.num_reqs,
             num_actual_tokens=common.num_actual_tokens,
             max_query_len=common.max_query_len,
             max_seq_len=common.max_seq_len,
             block_table=common.block_table_tensor[: common.num_reqs],
-            token_to_req=token_to_req,
+            query_start_loc=common.query_start_loc[: common.num_reqs + 1],
+            seq_lens=common.seq_lens[: common.num_reqs],
             topk_tokens=self.topk_tokens,
             num_decodes=common.num_reqs,
             num_prefills=0,
@@ -357,11 +387,14 @@ class SupaFlashMLASparseImpl(MLAAttentionImpl[SupaFlashMLASparseMetadata]):
         buffer = self.topk_indices_buffer
         assert buffer is not None
         num_tokens = attn_metadata.num_actual_tokens
+        token_to_req, _ = token_requests(
+            attn_metadata.query_start_loc, attn_metadata.seq_lens, num_tokens
+        )
         out = get_op("sparse_mla_attention")(
             q,
             kv_c_and_k_pe_cache,
             attn_metadata.block_table,
-            attn_metadata.token_to_req,
+            token_to_req,
             buffer[:num_tokens, : attn_metadata.topk_tokens],
             self.scale,
             self.kv_lora_rank,
