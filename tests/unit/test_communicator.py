@@ -296,6 +296,17 @@ def _main(proc: int, nprocs: int, port: int) -> None:
         _check_allreduce_options(PAIR.index(proc), 2, pair)
     # three partials: where reducing bf16 in float32 shows
     _check_allreduce_options(proc, nprocs, everyone)
+    _finish()
+
+
+def _finish() -> None:
+    """Every rank done before any tears gloo down: a rank that exits while
+    another still talks to it can abort in gloo's threads ("terminate called
+    without an active exception", SIGABRT; seen once in CI)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(150)

@@ -92,6 +92,29 @@ def _capture_bound(common: CommonAttentionMetadata, block_size: int) -> int:
     return common.block_table_tensor.shape[1] * block_size
 
 
+class _SupaPagedCacheBackend(AttentionBackend):
+    """What both sparse backends' caches share: SUPA's 128-token blocks in
+    the model's dtype, any head size, the layouts of SUPA_FLASH_ATTN (the
+    ops index through strides)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = ["auto", "bfloat16"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(
+        kv_cache_spec: KVCacheSpec | None = None,
+    ) -> list[int | MultipleOf]:
+        return [SUPA_BLOCK_SIZE]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return _LAYOUTS
+
+
 # --------------------------------------------------------------------------- #
 # The lightning indexer
 # --------------------------------------------------------------------------- #
@@ -152,12 +175,9 @@ class SupaSparseIndexerMetadataBuilder(
         return metadata
 
 
-class SupaSparseIndexerBackend(AttentionBackend):
+class SupaSparseIndexerBackend(_SupaPagedCacheBackend):
     """The lightning indexer's key cache: ``[num_blocks, 128, index_head_dim]``
     in the model's dtype (no FP8 on SUPA)."""
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = ["auto", "bfloat16"]
 
     @staticmethod
     def get_name() -> str:
@@ -170,20 +190,6 @@ class SupaSparseIndexerBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[SupaSparseIndexerMetadataBuilder]:
         return SupaSparseIndexerMetadataBuilder
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(
-        kv_cache_spec: KVCacheSpec | None = None,
-    ) -> list[int | MultipleOf]:
-        return [SUPA_BLOCK_SIZE]
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return _LAYOUTS
 
 
 def _sparse_attn_indexer(
@@ -402,11 +408,8 @@ class SupaFlashMLASparseImpl(MLAAttentionImpl[SupaFlashMLASparseMetadata]):
         return out, None
 
 
-class SupaFlashMLASparseBackend(AttentionBackend):
+class SupaFlashMLASparseBackend(_SupaPagedCacheBackend):
     """SUPA sparse MLA: the dense backend's latent cache, top-k attention."""
-
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = ["auto", "bfloat16"]
 
     @staticmethod
     def get_name() -> str:
@@ -420,16 +423,6 @@ class SupaFlashMLASparseBackend(AttentionBackend):
     def get_builder_cls() -> type[SupaFlashMLASparseMetadataBuilder]:
         return SupaFlashMLASparseMetadataBuilder
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(
-        kv_cache_spec: KVCacheSpec | None = None,
-    ) -> list[int | MultipleOf]:
-        return [SUPA_BLOCK_SIZE]
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []
-
     @classmethod
     def is_mla(cls) -> bool:
         return True
@@ -437,10 +430,6 @@ class SupaFlashMLASparseBackend(AttentionBackend):
     @classmethod
     def is_sparse(cls) -> bool:
         return True
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return _LAYOUTS
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
