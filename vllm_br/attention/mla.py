@@ -16,7 +16,9 @@ classes here override only what touches a kernel:
   (``concat_and_cache_mla``); ``forward_mqa`` is the absorbed decode
   (``mla_decode`` over the paged latent cache); ``forward_mha`` is vLLM's
   prefill with the context gather and the LSE merge through the plugin's ops
-  (vLLM's call compiled ``_C`` / Triton kernels here).
+  (vLLM's call compiled ``_C`` / Triton kernels here). A quantized
+  ``kv_b_proj`` is up-projected with its dequantized weight, as the absorbed
+  decode uses it (see :meth:`SupaFlashMLAImpl.process_weights_after_loading`).
 * :class:`SupaMLAPrefillBackend` - the platform's MLA prefill backend
   (``SUPAPlatform.get_mla_prefill_backend_cls``): ragged causal attention of
   the new tokens and non-causal attention of a context chunk, both with LSE
@@ -41,6 +43,10 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadataBuilder,
     MLACommonPrefillMetadata,
     QueryLenSupport,
+)
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    get_and_maybe_dequant_weights,
 )
 from vllm.v1.attention.backend import (
     AttentionCGSupport,
@@ -307,6 +313,21 @@ class SupaFlashMLAImpl(MLACommonImpl[SupaFlashMLAMetadata]):
         # No fp8 query (or fused concat kernels) on SUPA.
         self.supports_quant_query_input = False
         self._use_flashinfer_concat_mla_k = False
+        self.kv_b_weight: torch.Tensor | None = None
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Keep a quantized ``kv_b_proj``'s weight dequantized for the
+        prefill's up-projection. The absorbed decode multiplies by the
+        dequantized weight (vLLM's ``W_UK`` / ``W_UV``); vLLM's own prefill
+        runs the quantized GEMM instead, which for W8A8 also quantizes the
+        latent per token, so a token's result would depend on whether its
+        batch prefilled or decoded it. Here both compute the same function,
+        at the cost of one dequantized copy of ``kv_b_proj`` per layer."""
+        super().process_weights_after_loading(act_dtype)
+        if not isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod):
+            self.kv_b_weight = get_and_maybe_dequant_weights(
+                self.kv_b_proj, out_dtype=act_dtype
+            )
 
     def do_kv_cache_update(
         self,
@@ -445,10 +466,13 @@ class SupaFlashMLAImpl(MLACommonImpl[SupaFlashMLAMetadata]):
         self, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent ``[T, L]`` and rope key ``[T, 1, R]`` -> per-head keys
-        ``[T, N, P + R]`` and values ``[T, N, V]`` through ``kv_b_proj``."""
-        kv_nope = self.kv_b_proj(kv_c)[0].view(
-            -1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim
-        )
+        ``[T, N, P + R]`` and values ``[T, N, V]`` through ``kv_b_proj``
+        (its dequantized weight where it is quantized)."""
+        kv_nope = (
+            self.kv_b_proj(kv_c)[0]
+            if self.kv_b_weight is None
+            else get_op("linear")(kv_c, self.kv_b_weight, None)
+        ).view(-1, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv_nope.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         return self._concat_k_nope_k_pe(k_nope, k_pe.to(k_nope.dtype)), v
 
