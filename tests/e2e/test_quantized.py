@@ -31,6 +31,7 @@ from tests.fixtures.hf_reference import hf_greedy_logprobs
 from tests.fixtures.tiny_models import build_tiny_llama, prompt_token_ids_of_lengths
 from tests.fixtures.tiny_quant import (
     fake_quant_greedy,
+    online_experts_int8_greedy,
     quantize_compressed_tensors,
     write_gptq,
 )
@@ -352,4 +353,35 @@ def test_moe_w8a8_equals_fake_quant_reference(
     unquantized = hf_greedy_logprobs(base, prompts, MAX_TOKENS, NUM_LOGPROBS)
     check_logprobs_close(
         [(ids, lps) for ids, _, lps in unquantized], vllm_logprobs(outputs)
+    )
+
+
+def test_online_experts_int8_equals_reference(tiny_qwen3_moe_dir):
+    """vLLM's online ``--quantization experts_int8`` on a float checkpoint:
+    the experts are quantized to int8 per row while loading and run on the
+    plugin's fused MoE (``SUPAInt8OnlineMoEMethod``), giving the tokens of a
+    plain-PyTorch reference that quantizes the same way."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = prompt_token_ids_of_lengths(512, [1, 127, 129, 300, 7])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with llm_engine(
+        tiny_qwen3_moe_dir,
+        dtype="float32",
+        quantization="experts_int8",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=256,
+    ) as llm:
+        facts = llm.collective_rpc(moe_facts)[0]
+        llm.collective_rpc(count_op_calls, args=(["fused_experts"],))
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params
+        )
+        calls = llm.collective_rpc(op_calls)[0]
+    assert len(facts["moe"]) == 2
+    assert set(facts["moe"].values()) == {("SUPAInt8OnlineMoEMethod", "torch.int8")}
+    assert calls["fused_experts"] > 0, calls
+    assert token_ids(outputs) == online_experts_int8_greedy(
+        tiny_qwen3_moe_dir, prompts, MAX_TOKENS
     )

@@ -152,7 +152,8 @@ def test_check_checkpoint_unquantized():
 
 @pytest.mark.parametrize("env", [None, "INT8", "int8"])
 @pytest.mark.parametrize(
-    "method,cfg,bits", [(CT, W8A8_INT8, 8), (CT, W4A16, 4), ("gptq", GPTQ4, 4)]
+    "method,cfg,bits",
+    [(CT, W8A8_INT8, 8), (CT, W4A16, 4), ("gptq", GPTQ4, 4), ("experts_int8", None, 8)],
 )
 def test_int8_mode_serves_everything_as_int8(monkeypatch, env, method, cfg, bits):
     if env is not None:
@@ -167,6 +168,7 @@ def test_int8_mode_serves_everything_as_int8(monkeypatch, env, method, cfg, bits
         (CT, W8A8_INT8, "W8A8-INT8"),
         (CT, W8A16, "W8A16"),
         ("gptq", {**GPTQ4, "bits": 8}, "GPTQ int8"),
+        ("experts_int8", None, "experts_int8"),
     ],
 )
 def test_int4_mode_refuses_int8_checkpoint(monkeypatch, method, cfg, name):
@@ -232,3 +234,6 @@ def test_quantized_moe_is_served_only_as_w8a8_int8(experts):
     assert "W8A8-INT8" in assert_one_sentence(err.value)
     setattr(w4a16.hf_config, experts, 0)  # a dense model of a MoE family
     assert scheme.check_checkpoint(w4a16) == 4
+    online = model_config("experts_int8", None)  # bf16 experts quantized on load
+    setattr(online.hf_config, experts, 8)
+    assert scheme.check_checkpoint(online) == 8

@@ -14,7 +14,9 @@ kernel registries, where :func:`register` adds the SUPA kernels for
 and replaces vLLM's ``auto_gptq`` config with one that reaches that kernel
 on SUPA (``vllm_br.quantization.gptq``), and vLLM's compressed-tensors config
 with one that serves W8A8-INT8 MoE experts on the plugin's fused MoE
-(``vllm_br.quantization.moe``).
+(``vllm_br.quantization.moe``), and vLLM's ``experts_int8`` config with one
+that quantizes a bf16 checkpoint's MoE experts while loading onto the same
+fused MoE (``vllm_br.quantization.online_moe``).
 
 Both compute through the ``int8_scaled_mm`` / ``weight_only_linear`` ops
 (``vllm_br.ops.quant``), so a device binds its own kernels there. Which
@@ -34,7 +36,7 @@ def register() -> list[str]:
     from vllm.model_executor.kernels.linear import register_linear_kernel
     from vllm.platforms import PlatformEnum
 
-    from vllm_br.quantization import gptq, moe
+    from vllm_br.quantization import gptq, moe, online_moe
     from vllm_br.quantization.int8_linear import SUPAInt8ScaledMMLinearKernel
     from vllm_br.quantization.weight_only_linear import SUPAWeightOnlyLinearKernel
 
@@ -47,5 +49,6 @@ def register() -> list[str]:
             register_linear_kernel(cls, PlatformEnum.OOT, kernel_type=kind)
         gptq.register()
         moe.register()
+        online_moe.register()
         _registered = True
     return [cls.__name__ for cls, _ in kernels]

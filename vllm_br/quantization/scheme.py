@@ -13,7 +13,9 @@ held on the device:
 
 Served: compressed-tensors W8A8-INT8 (MoE experts included) (dynamic per-token or static per-tensor
 activations), W8A16 and W4A16 (per channel or grouped, symmetric or with zero
-points), and GPTQ int8 / int4 (vLLM's ``auto_gptq`` path, symmetric). The
+points), GPTQ int8 / int4 (vLLM's ``auto_gptq`` path, symmetric), and vLLM's
+online ``experts_int8`` (a bf16 / fp16 MoE checkpoint whose experts are
+quantized to int8 while loading). The
 checkpoint's scheme is read from its ``quantization_config`` at start-up, so
 an unsupported one stops with one sentence before any weight is loaded.
 """
@@ -27,12 +29,16 @@ from vllm_br.errors import SUPAConfigError
 
 #: vLLM quantization method names this platform serves (``--quantization``
 #: or the checkpoint's ``quant_method`` after vLLM's override detection).
-SUPPORTED_METHODS = ("compressed-tensors", "auto_gptq", "gptq")
+SUPPORTED_METHODS = ("compressed-tensors", "auto_gptq", "gptq", "experts_int8")
 
 SERVED = (
     "compressed-tensors W8A8-INT8, W8A16 or W4A16 checkpoints, "
-    "GPTQ int8 or int4 checkpoints, or the unquantized model"
+    "GPTQ int8 or int4 checkpoints, the unquantized model, or it with "
+    "--quantization experts_int8"
 )
+#: vLLM's online int8 MoE method: a bf16 / fp16 checkpoint whose experts
+#: are quantized while loading (vllm_br.quantization.online_moe).
+ONLINE_MOE_METHOD = "experts_int8"
 
 
 def unsupported_method_error(method: str) -> SUPAConfigError:
@@ -69,6 +75,8 @@ def checkpoint_weight_bits(
     if method not in SUPPORTED_METHODS:
         raise unsupported_method_error(method)
     quant_cfg = quant_cfg or {}
+    if method == ONLINE_MOE_METHOD:
+        return "experts_int8 (MoE experts quantized to int8 while loading)", 8
     if method in ("auto_gptq", "gptq"):
         bits = int(quant_cfg.get("bits", 0))
         scheme = f"GPTQ int{bits}"
@@ -129,7 +137,7 @@ def check_checkpoint(model_config: Any) -> int | None:
     if found is None:
         return None
     scheme, bits = found
-    if _is_moe(hf_cfg) and scheme != MOE_SCHEME:
+    if _is_moe(hf_cfg) and scheme != MOE_SCHEME and method != ONLINE_MOE_METHOD:
         raise SUPAConfigError(
             f"This checkpoint quantizes a mixture-of-experts model ({scheme}), "
             f"whose experts SUPA serves only as {MOE_SCHEME}; serve such a "

@@ -1,0 +1,78 @@
+"""vLLM's online int8 MoE (``--quantization experts_int8``) on SUPA.
+
+With ``experts_int8`` vLLM loads a bf16 / fp16 checkpoint and quantizes each
+MoE layer's experts to int8 per output channel while loading
+(``Int8OnlineMoEMethod``: w13 rows over the hidden size, w2 rows over the
+intermediate size with their maximum shared across the tensor-parallel
+ranks); linear layers stay unquantized. Its compute then asks vLLM's int8
+MoE oracle for a kernel, which offers Triton and CPU only. So
+:class:`SUPAExpertsInt8Config`, registered under the same name with vLLM's
+``register_quantization_config`` (it replaces the config on this platform),
+gives routed experts :class:`SUPAInt8OnlineMoEMethod`: vLLM's loading and
+quantization, then the plugin's routing and ``fused_experts`` with the
+scales and per-token activation quantization, as for W8A8-INT8 checkpoints
+(``vllm_br.quantization.moe``). It also computes in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.experts_int8 import ExpertsInt8Config
+from vllm.model_executor.layers.quantization.online.int8 import Int8OnlineMoEMethod
+from vllm.model_executor.layers.quantization.online.moe_base import (
+    OnlineMoEMethodBase,
+)
+
+from vllm_br.ops import get_op
+from vllm_br.ops.moe_layer import check_supported, route
+from vllm_br.quantization import scheme
+
+
+class SUPAInt8OnlineMoEMethod(Int8OnlineMoEMethod):
+    def __init__(self, *, moe) -> None:
+        # vLLM's __init__ adds the int8 MoE oracle's kernel choice.
+        OnlineMoEMethodBase.__init__(self, moe)
+        self.int8_backend = self.experts_cls = None
+        check_supported(moe)
+        scheme.stored_weight_bits(8)
+
+    @property
+    def is_monolithic(self) -> bool:
+        # Routing happens here, not in vLLM's router (its kernels are CUDA).
+        return True
+
+    def process_weights_after_loading(self, layer: RoutedExperts) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        w13, w2 = self.get_weights_for_quantization(layer)
+        self._quantize_weights(layer, w13, w2)  # int8 weights, [E, N] scales
+        self.release_requantization_source_weights(layer)
+        layer._already_called_process_weights_after_loading = True
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        return None  # fused_experts takes the scales itself
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        topk_weights, topk_ids = route(layer, x, router_logits)
+        return get_op("fused_experts")(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+            layer.activation.value, layer.apply_router_weight_on_input,
+            layer.expert_map, None, layer.w13_scale, layer.w2_scale, True,
+        )  # fmt: skip
+
+
+class SUPAExpertsInt8Config(ExpertsInt8Config):
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.half, torch.float32]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, RoutedExperts):
+            return SUPAInt8OnlineMoEMethod(moe=layer.moe_config)
+        return super().get_quant_method(layer, prefix)
+
+
+def register() -> None:
+    register_quantization_config("experts_int8")(SUPAExpertsInt8Config)
