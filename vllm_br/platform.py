@@ -240,9 +240,13 @@ class SUPAPlatform(Platform):
     def apply_config_platform_defaults(cls, vllm_config: VllmConfig) -> None:
         """The measured default compilation and graph modes of this backend,
         where the user chose none (vLLM resolves its own defaults after)."""
-        from vllm_br.compilation.defaults import apply_graph_defaults
+        from vllm_br.compilation.defaults import (
+            apply_graph_defaults,
+            cap_moe_capture_size,
+        )
 
         apply_graph_defaults(vllm_config, _BACKEND.default_graph_modes)
+        cap_moe_capture_size(vllm_config)
 
     @classmethod
     def support_static_graph_mode(cls) -> bool:
@@ -416,6 +420,7 @@ def _apply_compilation_policy(vllm_config: VllmConfig) -> None:
             "VLLM_USE_BREAKABLE_CUDAGRAPH=1 (vLLM's breakable CUDA graphs) is not "
             "supported on SUPA; unset it and choose graphs with -cc.cudagraph_mode."
         )
+    _check_moe_capture_sizes(vllm_config)
     # vLLM's AOT-compiled model artifacts do not survive a save/load round
     # trip with the SUPA compile backend (the save fails with "'NoneType'
     # object is not callable" and a later engine of the same config fails to
@@ -436,6 +441,22 @@ def _apply_compilation_policy(vllm_config: VllmConfig) -> None:
         compilation_config.custom_ops = ["all"] + [
             op for op in compilation_config.custom_ops if op.startswith("-")
         ]
+
+
+def _check_moe_capture_sizes(vllm_config: VllmConfig) -> None:
+    """Graph sizes the user chose above what a MoE graph can capture stop
+    here (defaults are capped in ``apply_config_platform_defaults``)."""
+    from vllm_br.compilation.defaults import moe_capture_limit
+
+    limit = moe_capture_limit(vllm_config)
+    sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
+    if limit is not None and sizes and max(sizes) > limit:
+        raise SUPAConfigError(
+            f"A graph of {max(sizes)} tokens cannot be captured for this MoE model "
+            "on SUPA, whose graphs hold at most VLLM_BR_STATIC_MOE_DECODER_MAX_LEN="
+            f"{limit} tokens; lower -cc.max_cudagraph_capture_size (and "
+            "-cc.cudagraph_capture_sizes) to at most that, or raise the variable."
+        )
 
 
 def _apply_sparse_mla_policy(vllm_config: VllmConfig) -> None:

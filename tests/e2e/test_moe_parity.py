@@ -111,3 +111,42 @@ def test_bfloat16_follows_check_logprobs_close(tiny_qwen3_moe_dir, prompts):
         tested = vllm_logprobs(_generate(llm, prompts, _greedy(logprobs=NUM_LOGPROBS)))
     parted = check_logprobs_close(reference, tested)
     assert sum(p is None for p in parted) >= len(prompts) // 2, parted
+
+
+def captured_sizes(worker) -> list[int]:
+    """Inside the worker: the token counts captured as graphs."""
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    return sorted(
+        {
+            size
+            for wrapper in CUDAGraphWrapper._all_instances
+            for size, entry in wrapper.concrete_cudagraph_entries.items()
+            if entry.cudagraph is not None
+        },
+        key=lambda d: getattr(d, "num_tokens", d),
+    )
+
+
+@pytest.mark.supa_backend
+def test_default_graphs_stop_at_the_static_moe_limit(
+    tiny_qwen3_moe_dir, prompts, monkeypatch
+):
+    """`LLM(model=<MoE>)` with supa's default graphs and vLLM's default
+    sizes: a graph may only capture the static MoE path, so the largest size
+    is VLLM_BR_STATIC_MOE_DECODER_MAX_LEN (here 16; vLLM alone would capture
+    up to 512 tokens and the capture failed, "a SUPA graph cannot synchronize
+    with the host"); larger batches run without graphs, and the tokens are
+    HF's."""
+    monkeypatch.setenv("VLLM_BR_STATIC_MOE_DECODER_MAX_LEN", "16")
+    expected = hf_greedy(tiny_qwen3_moe_dir, prompts, MAX_TOKENS, "float32")
+    with llm_engine(
+        tiny_qwen3_moe_dir,
+        dtype="float32",
+        compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},
+    ) as llm:
+        sizes = llm.llm_engine.vllm_config.compilation_config.cudagraph_capture_sizes
+        assert token_ids(_generate(llm, prompts, _greedy())) == expected
+        captured = llm.collective_rpc(captured_sizes)[0]
+    assert max(sizes) == 16, sizes
+    assert captured, "no graph was captured"

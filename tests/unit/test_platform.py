@@ -230,6 +230,52 @@ def test_config_errors_are_one_sentence(
         assert name in msg, msg
 
 
+# ---- MoE graph sizes ---------------------------------------------------------
+GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "limit"), [(None, None), (16, None), (None, "64"), (8, "64")]
+)
+def test_moe_graphs_default_to_the_static_moe_limit(
+    tiny_qwen3_moe_dir, tiny_llama_dir, monkeypatch, max_num_seqs, limit
+):
+    """A MoE model's default graph sizes stop at
+    VLLM_BR_STATIC_MOE_DECODER_MAX_LEN (256 by default); below it they are
+    vLLM's own, which a dense model keeps."""
+    if limit is not None:
+        monkeypatch.setenv("VLLM_BR_STATIC_MOE_DECODER_MAX_LEN", limit)
+    kwargs = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    moe = _engine_config(tiny_qwen3_moe_dir, **kwargs, **GRAPHS).compilation_config
+    dense = _engine_config(tiny_llama_dir, **kwargs, **GRAPHS).compilation_config
+    cap = int(limit or 256)
+    assert max(moe.cudagraph_capture_sizes) == moe.max_cudagraph_capture_size
+    assert moe.max_cudagraph_capture_size == min(dense.max_cudagraph_capture_size, cap)
+    if (max_num_seqs, limit) == (None, "64"):
+        assert dense.max_cudagraph_capture_size > cap  # the cap is what acts
+    eager = _engine_config(tiny_qwen3_moe_dir, enforce_eager=True)
+    assert eager.compilation_config.cudagraph_capture_sizes == []
+
+
+@pytest.mark.parametrize(
+    "graph_config",
+    [{"max_cudagraph_capture_size": 512}, {"cudagraph_capture_sizes": [1, 8, 300]}],
+    ids=["max-size", "sizes"],
+)
+def test_moe_graph_sizes_above_the_static_limit_are_one_sentence(
+    tiny_qwen3_moe_dir, graph_config
+):
+    config = {**GRAPHS["compilation_config"], **graph_config}
+    with pytest.raises(Exception) as info:  # noqa: B017 (pydantic wraps it)
+        _engine_config(tiny_qwen3_moe_dir, compilation_config=config)
+    err = _supa_error(info.value)
+    assert err is not None, f"no SUPAConfigError behind {info.value!r}"
+    msg = str(err)
+    assert _is_one_sentence(msg), msg
+    assert "VLLM_BR_STATIC_MOE_DECODER_MAX_LEN=256" in msg
+    assert "-cc.max_cudagraph_capture_size" in msg
+
+
 def test_v1_model_runner_is_chosen_not_fallen_back_to(tiny_llama_dir):
     """SUPA serves with the V1 model runner: the platform says so for every
     process it starts (VLLM_USE_V2_MODEL_RUNNER=0), so vLLM takes its choice

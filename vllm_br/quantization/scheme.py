@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_br import envs
 from vllm_br.errors import SUPAConfigError
+from vllm_br.hf_config import routes_to_experts
 
 #: vLLM quantization method names this platform serves (``--quantization``
 #: or the checkpoint's ``quant_method`` after vLLM's override detection).
@@ -109,20 +110,6 @@ def checkpoint_weight_bits(
 
 #: the scheme whose quantized MoE experts SUPA serves (vllm_br.quantization.moe)
 MOE_SCHEME = "compressed-tensors W8A8-INT8"
-# hf_config attributes that count routed experts, by family.
-_EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts")
-
-
-def _is_moe(hf_cfg: Any) -> bool:
-    """Whether the model routes to experts: their quantized weights are
-    served only as W8A8-INT8 (the plugin's fused MoE), so another scheme
-    stops at start-up instead of in loading."""
-    cfgs = [hf_cfg, getattr(hf_cfg, "text_config", None)]
-    return any(
-        isinstance(getattr(c, name, None), int) and getattr(c, name) > 0
-        for c in cfgs
-        for name in _EXPERT_COUNTS
-    )
 
 
 def check_checkpoint(model_config: Any) -> int | None:
@@ -137,7 +124,13 @@ def check_checkpoint(model_config: Any) -> int | None:
     if found is None:
         return None
     scheme, bits = found
-    if _is_moe(hf_cfg) and scheme != MOE_SCHEME and method != ONLINE_MOE_METHOD:
+    # Quantized experts run only as W8A8-INT8 (the plugin's fused MoE): another
+    # scheme stops here instead of in loading.
+    if (
+        routes_to_experts(hf_cfg)
+        and scheme != MOE_SCHEME
+        and method != ONLINE_MOE_METHOD
+    ):
         raise SUPAConfigError(
             f"This checkpoint quantizes a mixture-of-experts model ({scheme}), "
             f"whose experts SUPA serves only as {MOE_SCHEME}; serve such a "
