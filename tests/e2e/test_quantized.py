@@ -356,9 +356,10 @@ def test_moe_w8a8_equals_fake_quant_reference(
     )
 
 
-# cpu tiers only: on the stand-in it would repeat the fused_experts int8 path
-# that test_moe_w8a8_equals_fake_quant_reference runs there, and that tier's
-# budget is the tightest.
+# Slow tier, cpu only: the default tier runs the same int8 fused_experts
+# path in test_moe_w8a8_equals_fake_quant_reference (on the stand-in too);
+# this one adds vLLM's online loading and quantization.
+@pytest.mark.slow
 @pytest.mark.cpu_backend
 def test_online_experts_int8_equals_reference(tiny_qwen3_moe_dir):
     """vLLM's online ``--quantization experts_int8`` on a float checkpoint:

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_br"
 # foundation (settings, errors, logging, the vLLM compat module) under all.
 LAYERS: dict[str, int] = {
     **dict.fromkeys(
-        ["_version", "errors", "envs", "logger", "compat", "model_cache"], 0
+        ["_version", "errors", "envs", "logger", "compat", "model_cache", "hf_config"],
+        0,
     ),
     "device": 1,
     "ops": 2,
