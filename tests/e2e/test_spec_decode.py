@@ -25,7 +25,7 @@ from tests.fixtures.tiny_models import prompt_token_ids_of_lengths
 pytestmark = pytest.mark.e2e
 
 # The default and stand-in tiers run every proposer's greedy equality and
-# seeded sampling; drafter graphs (an inductor compile) and MTP through
+# seeded sampling (n-gram on SmolLM2 on the cpu backend only); drafter graphs (an inductor compile) and MTP through
 # `vllm serve` are in the slow tier, which runs on the cpu backend.
 
 MAX_TOKENS = 24
@@ -119,6 +119,9 @@ def test_greedy_output_unchanged_by_speculation(
         assert facts["per_pos"] == [facts["num_drafts"]] * NUM_SPEC, facts
 
 
+# cpu tiers only: the n-gram proposer runs on the host; the stand-in tier
+# runs the device-side spec-decode paths with the draft, EAGLE and MTP tests.
+@pytest.mark.cpu_backend
 def test_ngram_on_repetitive_text(smollm2_dir):
     """SmolLM2 asked to copy a paragraph (a 221-token prompt, prefilled in
     chunks) and a short question: n-gram lookup drafts from the prompt,
