@@ -38,7 +38,31 @@ from vllm_br.ops.moe_layer import check_supported, route
 from vllm_br.quantization import scheme
 
 
-class SUPAW8A8Int8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
+class SUPAInt8MoEComputeMixin:
+    """Routing and compute of int8 experts with per-channel scales (the
+    layer attributes named below) on the plugin's fused MoE."""
+
+    w13_scale_name = "w13_weight_scale"
+    w2_scale_name = "w2_weight_scale"
+
+    @property
+    def is_monolithic(self) -> bool:
+        # Routing happens here, not in vLLM's router (its kernels are CUDA).
+        return True
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        topk_weights, topk_ids = route(layer, x, router_logits)
+        return get_op("fused_experts")(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+            layer.activation.value, layer.apply_router_weight_on_input,
+            layer.expert_map, None, getattr(layer, self.w13_scale_name),
+            getattr(layer, self.w2_scale_name), True,
+        )  # fmt: skip
+
+
+class SUPAW8A8Int8MoEMethod(
+    SUPAInt8MoEComputeMixin, CompressedTensorsW8A8Int8MoEMethod
+):
     def __init__(self, weight_quant, input_quant, moe) -> None:
         # vLLM's __init__ adds the int8 MoE oracle's kernel choice to these.
         CompressedTensorsMoEMethod.__init__(self, moe)
@@ -49,24 +73,10 @@ class SUPAW8A8Int8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
         check_supported(moe)
         scheme.stored_weight_bits(8)
 
-    @property
-    def is_monolithic(self) -> bool:
-        # Routing happens here, not in vLLM's router (its kernels are CUDA).
-        return True
-
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
         for name in ("w13_weight_scale", "w2_weight_scale"):  # [E, N, 1] -> [E, N]
             scale = getattr(layer, name)
             replace_parameter(layer, name, scale.data.reshape(scale.shape[0], -1))
-
-    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-        topk_weights, topk_ids = route(layer, x, router_logits)
-        return get_op("fused_experts")(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-            layer.activation.value, layer.apply_router_weight_on_input,
-            layer.expert_map, None, layer.w13_weight_scale, layer.w2_weight_scale,
-            True,
-        )  # fmt: skip
 
 
 def _moe_scheme(config: CompressedTensorsConfig, layer, prefix: str):

@@ -25,23 +25,21 @@ from vllm.model_executor.layers.quantization.online.moe_base import (
     OnlineMoEMethodBase,
 )
 
-from vllm_br.ops import get_op
-from vllm_br.ops.moe_layer import check_supported, route
+from vllm_br.ops.moe_layer import check_supported
 from vllm_br.quantization import scheme
+from vllm_br.quantization.moe import SUPAInt8MoEComputeMixin
 
 
-class SUPAInt8OnlineMoEMethod(Int8OnlineMoEMethod):
+class SUPAInt8OnlineMoEMethod(SUPAInt8MoEComputeMixin, Int8OnlineMoEMethod):
+    w13_scale_name = "w13_scale"  # Int8OnlineMoEMethod's [E, N] scales
+    w2_scale_name = "w2_scale"
+
     def __init__(self, *, moe) -> None:
         # vLLM's __init__ adds the int8 MoE oracle's kernel choice.
         OnlineMoEMethodBase.__init__(self, moe)
         self.int8_backend = self.experts_cls = None
         check_supported(moe)
         scheme.stored_weight_bits(8)
-
-    @property
-    def is_monolithic(self) -> bool:
-        # Routing happens here, not in vLLM's router (its kernels are CUDA).
-        return True
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
@@ -53,14 +51,6 @@ class SUPAInt8OnlineMoEMethod(Int8OnlineMoEMethod):
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None  # fused_experts takes the scales itself
-
-    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-        topk_weights, topk_ids = route(layer, x, router_logits)
-        return get_op("fused_experts")(
-            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-            layer.activation.value, layer.apply_router_weight_on_input,
-            layer.expert_map, None, layer.w13_scale, layer.w2_scale, True,
-        )  # fmt: skip
 
 
 class SUPAExpertsInt8Config(ExpertsInt8Config):
