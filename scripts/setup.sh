@@ -11,6 +11,8 @@ VENV="$ROOT/.venv"
 VLLM_VERSION=$(sed -n 's/^SUPPORTED_VLLM_VERSION = "\(.*\)"/\1/p' vllm_br/_version.py)
 [ -n "$VLLM_VERSION" ] || { echo "[setup] cannot read SUPPORTED_VLLM_VERSION from vllm_br/_version.py" >&2; exit 1; }
 TORCH_VERSION=2.13.0
+# torchvision's release for that torch (its vision-language processors need it).
+TORCHVISION_VERSION=0.28.0
 
 log() { echo "[setup] $*"; }
 
@@ -97,6 +99,16 @@ if have triton "*"; then
   log "removing the GPU triton build"
   "$VPY" -m pip uninstall -y -q triton >/dev/null 2>&1 || true
 fi
+
+# torchvision for the vision-language processors: PyPI's wheel is a CUDA
+# build whose operator library cannot load beside CPU torch, so its Python
+# code is installed as is and scripts/torchvision_cpu builds the operator
+# library for CPU torch (cached under ~/.cache/vllm-br/torchvision).
+if ! have torchvision "$TORCHVISION_VERSION"; then
+  log "installing torchvision $TORCHVISION_VERSION (Python code; operators built for CPU torch)"
+  pipi --no-deps "torchvision==$TORCHVISION_VERSION"
+fi
+"$VPY" scripts/torchvision_cpu/install.py >/dev/null
 
 # The stand-in SUPA device (tests/standin/): compiled once per torch version
 # and source, cached under ~/.cache/vllm-br/standin (about a minute).
