@@ -377,6 +377,75 @@ def test_rotary_embedding_3d_inputs_and_2d_positions():
     close(k, ref_rotary(positions, key, head_size, rotary_dim, cache, True))
 
 
+MROPE_CASES = {
+    # family: (transformers config class, rotary module, section, interleaved)
+    "qwen2_vl": (
+        "Qwen2VLTextConfig",
+        "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VLRotaryEmbedding",
+        [4, 6, 6],
+        False,
+    ),
+    "qwen3_vl": (
+        "Qwen3VLTextConfig",
+        "transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding",
+        [6, 5, 5],
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", sorted(MROPE_CASES))
+def test_mrope_equals_transformers(family, dtype):
+    """M-RoPE against the family's own transformers rotary (cos / sin per
+    t, h, w position row, applied NeoX style), in float32 and bfloat16.
+    Image tokens share t and differ in h / w; text tokens have t = h = w."""
+    import importlib
+
+    import transformers
+
+    config_cls, module_path, section, interleaved = MROPE_CASES[family]
+    head, heads, kv_heads, t, max_pos = 32, 4, 2, 11, 256
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
+    if interleaved:
+        rope["mrope_interleaved"] = True
+    config = getattr(transformers, config_cls)(
+        hidden_size=heads * head, num_attention_heads=heads, head_dim=head,
+        num_key_value_heads=kv_heads, rope_parameters=rope,
+    )  # fmt: skip
+    module_name, cls_name = module_path.rsplit(".", 1)
+    hf_rope = getattr(importlib.import_module(module_name), cls_name)(config)
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, max_pos, (3, t), generator=gen)
+    positions[:, 7:] = positions[0, 7:]
+    query = torch.randn(t, heads * head, generator=gen).to(dtype)
+    key = torch.randn(t, kv_heads * head, generator=gen).to(dtype)
+
+    x = torch.zeros(1, dtype=torch.float64)
+    cos, sin = hf_rope(x, positions[:, None, :])  # [1, T, head] float64
+    cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+
+    def hf_apply(
+        v,
+    ):  # transformers' apply_rotary_pos_emb: v * cos + rotate_half(v) * sin
+        v = v.double().view(t, -1, head)
+        x1, x2 = v[..., : head // 2], v[..., head // 2 :]
+        return (v * cos + torch.cat((-x2, x1), dim=-1) * sin).reshape(t, -1)
+
+    cache = make_cos_sin_cache(head, max_pos, dtype=dtype)
+    q, k = rotary.mrope_rotary_embedding(
+        positions, query, key, head, head, cache, True, section, interleaved
+    )
+    close(q, hf_apply(query))
+    close(k, hf_apply(key))
+    # Text-only positions ([T]) are plain rotary.
+    q1, k1 = rotary.mrope_rotary_embedding(
+        positions[0], query, key, head, head, cache, True, section, interleaved
+    )
+    q2, k2 = rotary.rotary_embedding(positions[0], query, key, head, head, cache, True)
+    assert torch.equal(q1, q2) and torch.equal(k1, k2)
+
+
 def test_rotary_position_zero_is_identity():
     cache = make_cos_sin_cache(16, 8)
     query = torch.randn(3, 2 * 16)

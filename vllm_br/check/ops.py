@@ -220,6 +220,71 @@ def _check_rotary(ctx, dtype, tol):
     return m.outcome()
 
 
+def _mrope_streams(half: int, section: list[int], interleaved: bool) -> list[int]:
+    """Which position row (t, h, w) each frequency takes, from the M-RoPE
+    formula: sections in order, or t h w repeating within each section."""
+    if interleaved:
+        return [
+            1 if j % 3 == 1 and j < 3 * section[1]
+            else 2 if j % 3 == 2 and j < 3 * section[2]
+            else 0
+            for j in range(half)
+        ]  # fmt: skip
+    return [0] * section[0] + [1] * section[1] + [2] * section[2]
+
+
+def _mrope_ref(positions, x, head_size, rotary_dim, cache, neox, section, interleaved):
+    """float64 M-RoPE: frequency j of token i at ``positions[stream_j, i]``."""
+    half = rotary_dim // 2
+    streams = _mrope_streams(half, section, interleaved)
+    cols = torch.arange(half)
+    # [T, half]: each frequency's cos / sin at its own row's position
+    pos = positions[torch.tensor(streams)].T
+    cos = cache[pos, cols][:, None, :]
+    sin = cache[pos, cols + half][:, None, :]
+    t = positions.shape[1]
+    xs = x.reshape(t, -1, head_size)
+    rot = xs[..., :rotary_dim]
+    x1, x2 = (
+        (rot[..., :half], rot[..., half:]) if neox else (rot[..., 0::2], rot[..., 1::2])
+    )
+    out = xs.clone()
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if neox:
+        out[..., :half], out[..., half:rotary_dim] = o1, o2
+    else:
+        out[..., 0:rotary_dim:2], out[..., 1:rotary_dim:2] = o1, o2
+    return out.reshape(x.shape)
+
+
+def _check_mrope(ctx, dtype, tol):
+    m = op_measure(tol, "mrope_rotary_embedding")
+    g = generator(17)
+    op = get_op("mrope_rotary_embedding")
+    max_pos, t = 2048, 13
+    # Image tokens share t and differ in h / w; text tokens have t == h == w.
+    positions = torch.randint(0, max_pos, (3, t), generator=g)
+    positions[:, 9:] = positions[0, 9:]
+    # (label, head_size, rotary_dim, section, interleaved): Qwen2-VL's
+    # sections, Qwen3-VL's interleaving, GLM-4V's half-head rotary
+    for label, hd, rd, section, interleaved in (
+        ("sectioned", 128, 128, [16, 24, 24], False),
+        ("interleaved", 128, 128, [24, 20, 20], True),
+        ("partial", 128, 64, [8, 12, 12], False),
+    ):
+        cache = _cos_sin_cache(max_pos, rd, 10000.0).to(dtype).to(ctx.device)
+        q = randn(ctx, g, t, 4 * hd, dtype=dtype)
+        k = randn(ctx, g, t, 2 * hd, dtype=dtype)
+        oq, ok = op(
+            positions.to(ctx.device), q, k, hd, rd, cache, True, section, interleaved
+        )
+        c64 = d64(cache)
+        args = (hd, rd, c64, True, section, interleaved)
+        m.close(f"{label} query", oq, _mrope_ref(positions, d64(q), *args))
+        m.close(f"{label} key", ok, _mrope_ref(positions, d64(k), *args))
+    return m.outcome()
+
+
 # --------------------------------------------------------------------------- #
 # Embedding, logits, sampling
 # --------------------------------------------------------------------------- #
@@ -374,6 +439,7 @@ CHECKS: list[OpCheck] = [
         "fused_add_rms_norm", ("fused_add_rms_norm",), _check_fused_add_rms_norm, TOL
     ),
     OpCheck("rotary_embedding", ("rotary_embedding",), _check_rotary, TOL),
+    OpCheck("mrope_rotary_embedding", ("mrope_rotary_embedding",), _check_mrope, TOL),
     OpCheck("embedding", ("embedding",), _check_embedding, TOL),
     OpCheck(
         "vocab_parallel_embedding",

@@ -12,8 +12,12 @@ code. Each variant therefore gets its own OOT subclass (the mixin's
 forward; one that overrides it (a future vLLM) is left to vLLM with a warning
 instead of being served the wrong semantics.
 
-Not covered (their forward differs: multimodal sections, per-head caches,
-chunked attention): MRotaryEmbedding and subclasses, FourierRotaryEmbedding,
+vLLM's multimodal rotary, ``MRotaryEmbedding`` (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL with ``mrope_interleaved``, GLM-4V), has its own forward over
+``[3, T]`` positions and is served by the ``mrope_rotary_embedding`` op.
+
+Not covered (their forward differs: per-head caches, chunked attention,
+other multimodal layouts): MRotaryEmbedding's subclasses, FourierRotaryEmbedding,
 DualChunkRotaryEmbedding, Llama4VisionRotaryEmbedding, Phi3LongRoPE,
 DeepseekV4ScalingRotaryEmbedding; they keep vLLM's forward_native.
 """
@@ -41,6 +45,7 @@ from vllm.model_executor.layers.rotary_embedding.linear_scaling_rope import (
 from vllm.model_executor.layers.rotary_embedding.llama3_rope import (
     Llama3RotaryEmbedding,
 )
+from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 from vllm.model_executor.layers.rotary_embedding.ntk_scaling_rope import (
     NTKScalingRotaryEmbedding,
 )
@@ -120,6 +125,32 @@ class SUPADeepseekScalingRotaryEmbedding(DeepseekScalingRotaryEmbedding):
         return _RotaryOOT.forward_oot(self, positions, query, key)
 
 
+class SUPAMRotaryEmbedding(MRotaryEmbedding):
+    """M-RoPE: positions ``[3, T]`` with multimodal inputs, ``[T]`` without."""
+
+    def forward_oot(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert key is not None
+        if offsets is not None:
+            positions = positions + offsets
+        return get_op("mrope_rotary_embedding")(
+            positions,
+            query,
+            key,
+            self.head_size,
+            self.rotary_dim,
+            self._match_cos_sin_cache_dtype(query),
+            self.is_neox_style,
+            self.mrope_section,
+            self.mrope_interleaved,
+        )
+
+
 #: (vLLM class, our class); variants whose forward must be RotaryEmbedding's
 OOT_LAYERS: list[tuple[type, type]] = [
     (RotaryEmbedding, SUPARotaryEmbedding),
@@ -159,4 +190,6 @@ def register() -> list[str]:
         deepseek, SUPADeepseekScalingRotaryEmbedding, custom_op.op_registry_oot
     ):
         registered.append(f"{deepseek.__module__}.{deepseek.__name__}")
+    if register_oot(MRotaryEmbedding, SUPAMRotaryEmbedding, custom_op.op_registry_oot):
+        registered.append(f"{MRotaryEmbedding.__module__}.{MRotaryEmbedding.__name__}")
     return registered

@@ -78,3 +78,59 @@ def rotary_embedding(
             cos, sin = cos_c.to(key.dtype), sin_c.to(key.dtype)
         key = _apply(key, cos, sin, num_tokens, head_size, rotary_dim, is_neox_style)
     return query, key
+
+
+def _mrope_stream_of_channel(
+    half: int, mrope_section: list[int], interleaved: bool, device: torch.device
+) -> torch.Tensor:
+    """For each of the ``rotary_dim // 2`` frequencies, which position stream
+    (0 temporal, 1 height, 2 width) rotates it. Sectioned (Qwen2-VL): the
+    first ``mrope_section[0]`` frequencies follow t, the next h, then w.
+    Interleaved (Qwen3-VL): t h w t h w ..., h and w only within
+    ``3 * mrope_section[1]`` / ``3 * mrope_section[2]`` channels."""
+    channel = torch.arange(half, device=device)
+    if interleaved:
+        stream = torch.zeros(half, dtype=torch.long, device=device)
+        stream[(channel % 3 == 1) & (channel < 3 * mrope_section[1])] = 1
+        stream[(channel % 3 == 2) & (channel < 3 * mrope_section[2])] = 2
+        return stream
+    bounds = torch.tensor(mrope_section, device=device).cumsum(0)
+    return torch.bucketize(channel, bounds, right=True)
+
+
+@register_op("mrope_rotary_embedding")
+def mrope_rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox_style: bool,
+    mrope_section: list[int],
+    mrope_interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal rotary (M-RoPE) as vLLM's ``MRotaryEmbedding``: positions
+    ``[3, T]`` (temporal, height, width per token) each rotate their own
+    frequencies of every head (:func:`_mrope_stream_of_channel`); positions
+    ``[T]`` (text only) are plain rotary."""
+    if positions.ndim == 1:
+        return rotary_embedding(
+            positions, query, key, head_size, rotary_dim, cos_sin_cache, is_neox_style
+        )
+    num_tokens = positions.shape[-1]
+    half = rotary_dim // 2
+    assert sum(mrope_section) == half, (mrope_section, rotary_dim)
+    cos_c, sin_c = cos_sin_cache[positions].chunk(2, dim=-1)  # [3, T, half]
+    stream = _mrope_stream_of_channel(
+        half, mrope_section, mrope_interleaved, positions.device
+    )
+    index = stream.view(1, 1, half).expand(1, num_tokens, half)
+    cos_c = cos_c.gather(0, index)[0].unsqueeze(-2)  # [T, 1, half]
+    sin_c = sin_c.gather(0, index)[0].unsqueeze(-2)
+    cos, sin = cos_c.to(query.dtype), sin_c.to(query.dtype)
+    query = _apply(query, cos, sin, num_tokens, head_size, rotary_dim, is_neox_style)
+    if key.dtype != query.dtype:
+        cos, sin = cos_c.to(key.dtype), sin_c.to(key.dtype)
+    key = _apply(key, cos, sin, num_tokens, head_size, rotary_dim, is_neox_style)
+    return query, key
