@@ -203,6 +203,32 @@ class SUPAPlatform(Platform):
 
         return SupaMLAPrefillBackend
 
+    @classmethod
+    def get_supported_vit_attn_backends(cls) -> list[AttentionBackendEnum]:
+        """Vision encoders attend in vLLM's TORCH_SDPA layout (packed images
+        with cu_seqlens, nothing else precomputed), which the plugin's
+        ``MMEncoderAttention`` runs on its ``attention_varlen`` op
+        (``vllm_br.layers.mm_encoder``)."""
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        return [AttentionBackendEnum.TORCH_SDPA]
+
+    @classmethod
+    def get_vit_attn_backend(
+        cls,
+        head_size: int,
+        dtype: torch.dtype,
+        backend: AttentionBackendEnum | None = None,
+    ) -> AttentionBackendEnum:
+        supported = cls.get_supported_vit_attn_backends()
+        if backend is not None and backend not in supported:
+            raise SUPAConfigError(
+                f"--mm-encoder-attn-backend {backend.name} is not available on "
+                "SUPA, whose vision encoders run on the plugin's attention op; "
+                f"leave it unset or use {supported[0].name}."
+            )
+        return supported[0]
+
     # ---- configuration -----------------------------------------------------
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:

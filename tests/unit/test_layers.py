@@ -22,6 +22,7 @@ from vllm_br.layers import activation as br_act  # noqa: E402
 from vllm_br.layers import embedding as br_emb  # noqa: E402
 from vllm_br.layers import layernorm as br_norm  # noqa: E402
 from vllm_br.layers import linear as br_linear  # noqa: E402
+from vllm_br.layers import mm_encoder as br_mm  # noqa: E402
 from vllm_br.layers import rotary as br_rope  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -79,6 +80,8 @@ def all_oot_pairs():
             br_rope.DeepseekScalingRotaryEmbedding,
             br_rope.SUPADeepseekScalingRotaryEmbedding,
         ),
+        (br_rope.MRotaryEmbedding, br_rope.SUPAMRotaryEmbedding),
+        (br_mm.MMEncoderAttention, br_mm.SUPAMMEncoderAttention),
     ]
     return pairs
 
@@ -351,6 +354,52 @@ def test_deepseek_rotary_layer(get_rope, dtype, with_offsets):
         rope.forward_oot(positions, q, k, offsets),
         rope.forward_native(positions, q.clone(), k.clone(), offsets),
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["sectioned", "interleaved"])
+def test_mrope_layer(get_rope, dtype, interleaved):
+    params = {"rope_type": "default", "mrope_section": [4, 6, 6]}
+    if interleaved:
+        params["mrope_interleaved"] = True
+    rope = get_rope(32, 256, True, params, dtype)
+    assert type(rope) is br_rope.SUPAMRotaryEmbedding
+    assert_dispatches_to_oot(rope)
+    t = 9
+    positions = torch.randint(0, 256, (3, t))
+    q = torch.randn(t, 4 * 32, dtype=dtype)
+    k = torch.randn(t, 2 * 32, dtype=dtype)
+    for pos in (positions, positions[0]):  # multimodal and text-only steps
+        got = rope.forward_oot(pos, q, k)
+        want = rope.forward_native(pos, q.clone(), k.clone())
+        tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("four_d", [False, True], ids=["BSHD-flat", "BSHD"])
+def test_mm_encoder_attention_layer(dtype, four_d):
+    """The vision encoder's attention: per-image (cu_seqlens) non-causal,
+    GQA 4:2, as vLLM's own SDPA path computes it; without cu_seqlens each
+    batch row is one sequence."""
+    from vllm.model_executor.layers.attention import MMEncoderAttention
+
+    heads, kv_heads, head = 4, 2, 16
+    layer = MMEncoderAttention(heads, head, scale=0.3, num_kv_heads=kv_heads)
+    assert type(layer) is br_mm.SUPAMMEncoderAttention
+    assert_dispatches_to_oot(layer)
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for bsz, seq, cu in ((1, 23, [0, 9, 23]), (3, 7, None)):
+        shape_q = (bsz, seq, heads, head) if four_d else (bsz, seq, heads * head)
+        shape_kv = (bsz, seq, kv_heads, head) if four_d else (bsz, seq, kv_heads * head)
+        q = torch.randn(shape_q, dtype=dtype)
+        k, v = torch.randn(shape_kv, dtype=dtype), torch.randn(shape_kv, dtype=dtype)
+        cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+        got = layer.forward_oot(q, k, v, cu_seqlens)
+        want = layer._forward_sdpa(q, k, v, cu_seqlens)
+        assert got.shape == q.shape
+        torch.testing.assert_close(got, want.reshape(q.shape), **tol)
 
 
 # ---- embedding and logits ---------------------------------------------------------

@@ -453,3 +453,24 @@ def test_validate_environ_flags_unknown_vllm_variable(
     warned = [m for m in platform_log if "Unknown vLLM environment" in m]
     assert len(warned) == 1
     assert "VLLM_FOO" in warned[0]
+
+
+def test_vit_attention_backend():
+    """Vision encoders: TORCH_SDPA's packed layout (run by the plugin's
+    MMEncoderAttention); another --mm-encoder-attn-backend stops in one
+    sentence naming it and what works."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_br.errors import SUPAConfigError
+    from vllm_br.platform import SUPAPlatform
+
+    sdpa = AttentionBackendEnum.TORCH_SDPA
+    assert SUPAPlatform.get_supported_vit_attn_backends() == [sdpa]
+    assert SUPAPlatform.get_vit_attn_backend(64, torch.bfloat16) is sdpa
+    assert SUPAPlatform.get_vit_attn_backend(64, torch.bfloat16, sdpa) is sdpa
+    with pytest.raises(
+        SUPAConfigError, match=r"--mm-encoder-attn-backend FLASH_ATTN .* TORCH_SDPA"
+    ):
+        SUPAPlatform.get_vit_attn_backend(
+            64, torch.bfloat16, AttentionBackendEnum.FLASH_ATTN
+        )

@@ -24,10 +24,26 @@ def register_all() -> list[str]:
     with _lock:
         if _registered is not None:
             return list(_registered)
-        from vllm_br.layers import activation, embedding, layernorm, linear, moe, rotary
+        from vllm_br.layers import (
+            activation,
+            embedding,
+            layernorm,
+            linear,
+            mm_encoder,
+            moe,
+            rotary,
+        )
 
         names: list[str] = []
-        for module in (layernorm, activation, rotary, embedding, linear, moe):
+        for module in (
+            layernorm,
+            activation,
+            rotary,
+            embedding,
+            linear,
+            moe,
+            mm_encoder,
+        ):
             names.extend(module.register())
         _registered = names
         logger.debug("Registered %d out-of-tree vLLM layers.", len(names))
