@@ -1,0 +1,267 @@
+"""Vision-language models served through the plugin equal HF transformers.
+
+One tiny random checkpoint per family (``tests/fixtures/tiny_vl``), built
+from the family's own transformers config, model and processor classes,
+and images made here (seeded noise, 140 x 112, and a colour pattern,
+84 x 84: two sizes, so two patch grids). The reference is transformers'
+``generate`` on the same processor outputs.
+
+- float32: identical greedy tokens for one image, the other image with the
+  same text (the tokens differ: the image is seen), two images in one
+  prompt, a text-only prompt, a prompt whose first 128-token block holds
+  the image, and a Qwen2-VL video. The engine prefills 32 tokens a step,
+  so chunks cut through the image tokens; the long prompt is sent again (a
+  prefix-cache hit, counted) and with the other image (no false hit).
+  Inside the worker: the vision tower's attention ran on the plugin's
+  ``attention_varlen`` op through its ``MMEncoderAttention`` and the
+  decoder's M-RoPE on ``mrope_rotary_embedding`` (call counts).
+- bfloat16: vLLM's ``check_logprobs_close`` rule against transformers run
+  in bfloat16.
+
+Qwen2-VL's float32 test runs in the default tier, and so on the stand-in
+SUPA device, where it also checks that the supa backend serves it; the
+other families, bfloat16 and the ``vllm serve`` test (base64 images through
+the openai client, and bad images answered with a 400) in the slow tier.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+
+import pytest
+
+from tests.fixtures import standin
+from tests.fixtures.engine import (
+    check_logprobs_close,
+    count_op_calls,
+    counter,
+    llm_engine,
+    op_calls,
+    token_ids,
+    vllm_logprobs,
+    worker_facts,
+)
+from tests.fixtures.server import vllm_server
+from tests.fixtures.tiny_models import CORPUS
+from tests.fixtures.tiny_vl import (
+    IMAGE_PLACEHOLDER as IMG,
+)
+from tests.fixtures.tiny_vl import (
+    VIDEO_PLACEHOLDER as VID,
+)
+from tests.fixtures.tiny_vl import (
+    build_tiny_vl,
+    hf_vl_generate,
+    vl_images,
+    vl_video,
+)
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 10
+NUM_LOGPROBS = 5
+VL_OPS = ("attention_varlen", "mrope_rotary_embedding")
+# Long enough that the image sits in a full 128-token block.
+LONG_TEXT = " ".join(CORPUS.split("\n\n")[:2]).replace("\n", " ")
+
+FAMILIES = [
+    "qwen2_vl",
+    pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
+    pytest.param("qwen3_vl", marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    built = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = str(build_tiny_vl(name, tmp_path_factory.mktemp(name)))
+        return built[name]
+
+    return get
+
+
+def _requests(with_video: bool):
+    """(prompt, multimodal data) pairs; see the module doc."""
+    noise, pattern = vl_images()
+    requests = [
+        (f"The river {IMG} runs", {"image": [noise]}),
+        (f"The river {IMG} runs", {"image": [pattern]}),
+        (f"Two pictures: {IMG} and {IMG} show", {"image": [noise, pattern]}),
+        ("Numbers have their own rhythm.", {}),
+        (f"{IMG} {LONG_TEXT}", {"image": [noise]}),
+    ]
+    if with_video:
+        requests.append((f"A film: {VID} of", {"video": [vl_video()]}))
+    return requests
+
+
+def _vllm_prompt(text: str, data: dict) -> dict:
+    prompt = {"prompt": text}
+    if data:
+        # One item is passed bare, several as a list (vLLM takes both).
+        prompt["multi_modal_data"] = {
+            k: v[0] if len(v) == 1 else v for k, v in data.items()
+        }
+    return prompt
+
+
+def _params(logprobs: int | None = None):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs
+    )
+
+
+def _engine(model: str, dtype: str):
+    return llm_engine(
+        model,
+        dtype=dtype,
+        limit_mm_per_prompt={"image": 2, "video": 1},
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_identical_to_hf(vl_dir, family):
+    model = vl_dir(family)
+    requests = _requests(with_video=family == "qwen2_vl")
+    expected = [
+        ids for ids, _ in hf_vl_generate(model, requests, MAX_TOKENS, "float32")
+    ]
+    # The image changes the continuation of the same text.
+    assert expected[0] != expected[1]
+    noise, pattern = vl_images()
+    with _engine(model, "float32") as llm:
+        facts = llm.collective_rpc(worker_facts)[0]
+        dispatch = facts["custom_op_dispatch"]
+        assert dispatch["SUPAMMEncoderAttention"] == "forward_oot"
+        assert dispatch["SUPAMRotaryEmbedding"] == "forward_oot"
+        assert "MMEncoderAttention" not in dispatch  # vLLM's own class: none left
+        if standin.active():
+            # The supa path as on a card: weights, KV cache and so the pixel
+            # inputs on the device, async scheduling on.
+            supa = llm.collective_rpc(standin.supa_facts)[0]
+            assert supa["backend"] == "supa" and supa["async_scheduling"]
+            assert supa["weight_devices"] == ["supa"] and supa["kv_devices"] == ["supa"]
+
+        llm.collective_rpc(count_op_calls, args=(VL_OPS,))
+        got = token_ids(llm.generate([_vllm_prompt(*r) for r in requests], _params()))
+        assert got == expected
+        calls = llm.collective_rpc(op_calls)[0]
+
+        hits = counter(llm, "vllm:prefix_cache_hits")
+        again = token_ids(llm.generate([_vllm_prompt(*requests[4])], _params()))
+        assert again == [expected[4]]
+        assert counter(llm, "vllm:prefix_cache_hits") - hits >= 128
+        other = (f"{IMG} {LONG_TEXT}", {"image": [pattern]})
+        other_got = token_ids(llm.generate([_vllm_prompt(*other)], _params()))
+    assert other_got == [hf_vl_generate(model, [other], MAX_TOKENS, "float32")[0][0]]
+    assert other_got != [expected[4]]
+    # The tower's two blocks attended on the plugin's op (vLLM batches the
+    # step's images into one encoder pass) and both decoder layers rotated
+    # through M-RoPE at every step.
+    assert calls["attention_varlen"] >= 2, calls
+    assert calls["mrope_rotary_embedding"] >= 2 * MAX_TOKENS, calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_bfloat16_follows_check_logprobs_close(vl_dir, family):
+    model = vl_dir(family)
+    requests = _requests(with_video=False)
+    reference = hf_vl_generate(model, requests, MAX_TOKENS, "bfloat16", NUM_LOGPROBS)
+    with _engine(model, "bfloat16") as llm:
+        tested = vllm_logprobs(
+            llm.generate([_vllm_prompt(*r) for r in requests], _params(NUM_LOGPROBS))
+        )
+    parted = check_logprobs_close(reference, tested)
+    assert sum(p is None for p in parted) >= len(requests) // 2, parted
+
+
+def _data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _chat(text: str, *urls: str) -> list[dict]:
+    content = [{"type": "text", "text": text}]
+    content += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.slow
+def test_served_chat_with_base64_images(vl_dir, tmp_path):
+    """``vllm serve`` and the openai client: a base64 image, streamed and
+    not, equal to transformers on the prompt the server rendered; bad
+    images get a 400 with one sentence and the server keeps serving."""
+    import openai
+    import requests
+
+    model = vl_dir("qwen2_vl")
+    args = ["--served-model-name", "tiny-vl", "--max-model-len", "1024", "--dtype", "float32",
+            "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 2})]  # fmt: skip
+    noise, pattern = vl_images()
+    with vllm_server(model, args, tmp_path / "serve.log") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        greedy = {"model": "tiny-vl", "max_tokens": MAX_TOKENS, "temperature": 0}
+        out = client.chat.completions.create(
+            messages=_chat("The river", _data_url(noise)),
+            extra_body={"return_token_ids": True},
+            **greedy,
+        )
+        got = out.choices[0].token_ids
+        # The rendered prompt, its image placeholder collapsed back to one
+        # <|image_pad|>, through transformers' processor and generate.
+        tokenizer = _tokenizer(model)
+        rendered = tokenizer.decode(out.prompt_token_ids)
+        rendered = re.sub(r"(<\|image_pad\|>)+", "<|image_pad|>", rendered)
+        rendered = rendered.removeprefix(tokenizer.bos_token)
+        want = hf_vl_generate(model, [(rendered, {"image": [noise]})], MAX_TOKENS)
+        assert got == want[0][0]
+
+        stream = client.chat.completions.create(
+            messages=_chat("The river", _data_url(noise)), stream=True, **greedy
+        )
+        streamed = "".join(
+            c.choices[0].delta.content or "" for c in stream if c.choices
+        )
+        assert streamed == out.choices[0].message.content
+        other = client.chat.completions.create(
+            messages=_chat("The river", _data_url(pattern)), **greedy
+        )
+        assert other.choices[0].message.content != out.choices[0].message.content
+
+        def post(messages):
+            r = requests.post(
+                f"{base}/v1/chat/completions",
+                json={"messages": messages, **greedy},
+                timeout=60,
+            )
+            return r.status_code, r.json().get("error", {}).get("message", "")
+
+        not_image = (
+            "data:image/png;base64," + base64.b64encode(b"not a picture").decode()
+        )
+        status, message = post(_chat("The river", not_image))
+        assert status == 400 and "Failed to load image" in message, message
+        three = [_data_url(noise)] * 3
+        status, message = post(_chat("The river", *three))
+        assert status == 400, message
+        assert "At most 2 image(s) may be provided in one prompt" in message
+        status, _ = post(_chat("The river", _data_url(pattern)))
+        assert status == 200
+
+
+def _tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
