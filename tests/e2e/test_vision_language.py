@@ -1,6 +1,7 @@
 """Vision-language models served through the plugin equal HF transformers.
 
-One tiny random checkpoint per family (``tests/fixtures/tiny_vl``), built
+One tiny random checkpoint per family (``tests/fixtures/tiny_vl``: Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V, GLM-4.5V), built
 from the family's own transformers config, model and processor classes,
 and images made here (seeded noise, 140 x 112, and a colour pattern,
 84 x 84: two sizes, so two patch grids). The reference is transformers'
@@ -14,7 +15,8 @@ and images made here (seeded noise, 140 x 112, and a colour pattern,
   prefix-cache hit, counted) and with the other image (no false hit).
   Inside the worker: the vision tower's attention ran on the plugin's
   ``attention_varlen`` op through its ``MMEncoderAttention`` and the
-  decoder's M-RoPE on ``mrope_rotary_embedding`` (call counts).
+  decoder's M-RoPE on ``mrope_rotary_embedding`` (call counts); the MoE
+  families' experts on the plugin's fused MoE.
 - bfloat16: vLLM's ``check_logprobs_close`` rule against transformers run
   in bfloat16.
 
@@ -47,12 +49,7 @@ from tests.fixtures.engine import (
 from tests.fixtures.server import vllm_server
 from tests.fixtures.tiny_models import CORPUS
 from tests.fixtures.tiny_vl import (
-    IMAGE_PLACEHOLDER as IMG,
-)
-from tests.fixtures.tiny_vl import (
-    VIDEO_PLACEHOLDER as VID,
-)
-from tests.fixtures.tiny_vl import (
+    VL_FAMILIES,
     build_tiny_vl,
     hf_vl_generate,
     vl_images,
@@ -67,10 +64,10 @@ VL_OPS = ("attention_varlen", "mrope_rotary_embedding")
 # Long enough that the image sits in a full 128-token block.
 LONG_TEXT = " ".join(CORPUS.split("\n\n")[:2]).replace("\n", " ")
 
+SLOW_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"]
 FAMILIES = [
     "qwen2_vl",
-    pytest.param("qwen2_5_vl", marks=pytest.mark.slow),
-    pytest.param("qwen3_vl", marks=pytest.mark.slow),
+    *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW_FAMILIES),
 ]
 
 
@@ -86,9 +83,10 @@ def vl_dir(tmp_path_factory):
     return get
 
 
-def _requests(with_video: bool):
+def _requests(family: str, with_video: bool):
     """(prompt, multimodal data) pairs; see the module doc."""
     noise, pattern = vl_images()
+    IMG = VL_FAMILIES[family].placeholder("image")
     requests = [
         (f"The river {IMG} runs", {"image": [noise]}),
         (f"The river {IMG} runs", {"image": [pattern]}),
@@ -97,7 +95,8 @@ def _requests(with_video: bool):
         (f"{IMG} {LONG_TEXT}", {"image": [noise]}),
     ]
     if with_video:
-        requests.append((f"A film: {VID} of", {"video": [vl_video()]}))
+        video = VL_FAMILIES[family].placeholder("video")
+        requests.append((f"A film: {video} of", {"video": [vl_video()]}))
     return requests
 
 
@@ -132,7 +131,7 @@ def _engine(model: str, dtype: str):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float32_identical_to_hf(vl_dir, family):
     model = vl_dir(family)
-    requests = _requests(with_video=family == "qwen2_vl")
+    requests = _requests(family, with_video=family == "qwen2_vl")
     expected = [
         ids for ids, _ in hf_vl_generate(model, requests, MAX_TOKENS, "float32")
     ]
@@ -145,6 +144,8 @@ def test_float32_identical_to_hf(vl_dir, family):
         assert dispatch["SUPAMMEncoderAttention"] == "forward_oot"
         assert dispatch["SUPAMRotaryEmbedding"] == "forward_oot"
         assert "MMEncoderAttention" not in dispatch  # vLLM's own class: none left
+        if family.endswith("_moe"):
+            assert "SUPAUnquantizedFusedMoEMethod" in facts["plugin_layers"]
         if standin.active():
             # The supa path as on a card: weights, KV cache and so the pixel
             # inputs on the device, async scheduling on.
@@ -161,7 +162,7 @@ def test_float32_identical_to_hf(vl_dir, family):
         again = token_ids(llm.generate([_vllm_prompt(*requests[4])], _params()))
         assert again == [expected[4]]
         assert counter(llm, "vllm:prefix_cache_hits") - hits >= 128
-        other = (f"{IMG} {LONG_TEXT}", {"image": [pattern]})
+        other = (requests[4][0], {"image": [pattern]})
         other_got = token_ids(llm.generate([_vllm_prompt(*other)], _params()))
     assert other_got == [hf_vl_generate(model, [other], MAX_TOKENS, "float32")[0][0]]
     assert other_got != [expected[4]]
@@ -173,10 +174,10 @@ def test_float32_identical_to_hf(vl_dir, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", *SLOW_FAMILIES])
 def test_bfloat16_follows_check_logprobs_close(vl_dir, family):
     model = vl_dir(family)
-    requests = _requests(with_video=False)
+    requests = _requests(family, with_video=False)
     reference = hf_vl_generate(model, requests, MAX_TOKENS, "bfloat16", NUM_LOGPROBS)
     with _engine(model, "bfloat16") as llm:
         tested = vllm_logprobs(
