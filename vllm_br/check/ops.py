@@ -170,11 +170,18 @@ def _cos_sin_cache(max_pos: int, rotary_dim: int, base: float) -> torch.Tensor:
 
 def _rope_ref(positions, x, head_size, rotary_dim, cache, neox):
     """x ``[T, H * D]`` or ``[T, H, D]`` float64; cache float64."""
-    t = positions.shape[0]
-    xs = x.reshape(t, -1, head_size)
     half = rotary_dim // 2
     cos = cache[positions, :half][:, None, :]
     sin = cache[positions, half:][:, None, :]
+    return _rotate64(x, head_size, rotary_dim, cos, sin, neox)
+
+
+def _rotate64(x, head_size, rotary_dim, cos, sin, neox):
+    """Rotate the first ``rotary_dim`` channels of each head of x ``[T, ...]``
+    by per-token ``cos`` / ``sin`` ``[T, 1, rotary_dim // 2]``."""
+    t = x.shape[0]
+    xs = x.reshape(t, -1, head_size)
+    half = rotary_dim // 2
     rot = xs[..., :rotary_dim]
     if neox:
         x1, x2 = rot[..., :half], rot[..., half:]
@@ -242,19 +249,7 @@ def _mrope_ref(positions, x, head_size, rotary_dim, cache, neox, section, interl
     pos = positions[torch.tensor(streams)].T
     cos = cache[pos, cols][:, None, :]
     sin = cache[pos, cols + half][:, None, :]
-    t = positions.shape[1]
-    xs = x.reshape(t, -1, head_size)
-    rot = xs[..., :rotary_dim]
-    x1, x2 = (
-        (rot[..., :half], rot[..., half:]) if neox else (rot[..., 0::2], rot[..., 1::2])
-    )
-    out = xs.clone()
-    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    if neox:
-        out[..., :half], out[..., half:rotary_dim] = o1, o2
-    else:
-        out[..., 0:rotary_dim:2], out[..., 1:rotary_dim:2] = o1, o2
-    return out.reshape(x.shape)
+    return _rotate64(x, head_size, rotary_dim, cos, sin, neox)
 
 
 def _check_mrope(ctx, dtype, tol):
