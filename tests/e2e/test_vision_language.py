@@ -1,7 +1,7 @@
 """Vision-language models served through the plugin equal HF transformers.
 
 One tiny random checkpoint per family (``tests/fixtures/tiny_vl``: Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V, GLM-4.5V), built
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, GLM-4.1V, GLM-4.5V, InternVL), built
 from the family's own transformers config, model and processor classes,
 and images made here (seeded noise, 140 x 112, and a colour pattern,
 84 x 84: two sizes, so two patch grids). The reference is transformers'
@@ -15,7 +15,8 @@ and images made here (seeded noise, 140 x 112, and a colour pattern,
   prefix-cache hit, counted) and with the other image (no false hit).
   Inside the worker: the vision tower's attention ran on the plugin's
   ``attention_varlen`` op through its ``MMEncoderAttention`` and the
-  decoder's M-RoPE on ``mrope_rotary_embedding`` (call counts); the MoE
+  decoder's M-RoPE (all but InternVL) on ``mrope_rotary_embedding`` (call
+  counts); the MoE
   families' experts on the plugin's fused MoE.
 - bfloat16: vLLM's ``check_logprobs_close`` rule against transformers run
   in bfloat16.
@@ -64,7 +65,14 @@ VL_OPS = ("attention_varlen", "mrope_rotary_embedding")
 # Long enough that the image sits in a full 128-token block.
 LONG_TEXT = " ".join(CORPUS.split("\n\n")[:2]).replace("\n", " ")
 
-SLOW_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe"]
+SLOW_FAMILIES = [
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "glm4v",
+    "glm4v_moe",
+    "internvl",
+]
 FAMILIES = [
     "qwen2_vl",
     *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW_FAMILIES),
@@ -81,6 +89,12 @@ def vl_dir(tmp_path_factory):
         return built[name]
 
     return get
+
+
+def _uses_mrope(family: str) -> bool:
+    """The Qwen-VL and GLM-4V decoders rotate by M-RoPE; InternVL's Qwen2
+    decoder by plain rotary."""
+    return "mrope_section" in VL_FAMILIES[family].text_config["rope_parameters"]
 
 
 def _requests(family: str, with_video: bool):
@@ -142,7 +156,8 @@ def test_float32_identical_to_hf(vl_dir, family):
         facts = llm.collective_rpc(worker_facts)[0]
         dispatch = facts["custom_op_dispatch"]
         assert dispatch["SUPAMMEncoderAttention"] == "forward_oot"
-        assert dispatch["SUPAMRotaryEmbedding"] == "forward_oot"
+        rope = "SUPAMRotaryEmbedding" if _uses_mrope(family) else "SUPARotaryEmbedding"
+        assert dispatch[rope] == "forward_oot"
         assert "MMEncoderAttention" not in dispatch  # vLLM's own class: none left
         if family.endswith("_moe"):
             assert "SUPAUnquantizedFusedMoEMethod" in facts["plugin_layers"]
@@ -170,7 +185,8 @@ def test_float32_identical_to_hf(vl_dir, family):
     # step's images into one encoder pass) and both decoder layers rotated
     # through M-RoPE at every step.
     assert calls["attention_varlen"] >= 2, calls
-    assert calls["mrope_rotary_embedding"] >= 2 * MAX_TOKENS, calls
+    if _uses_mrope(family):
+        assert calls["mrope_rotary_embedding"] >= 2 * MAX_TOKENS, calls
 
 
 @pytest.mark.slow
