@@ -72,8 +72,9 @@ CONFIGS = {
 
 def _install_encoder_timer(worker) -> None:
     """In the worker: time every ``embed_multimodal`` call."""
-    import torch
+    from vllm_br.device import get_backend
 
+    backend = get_backend()
     worker = getattr(worker, "worker", worker)
     model = worker.model_runner.get_model()
     inner = model.embed_multimodal
@@ -82,8 +83,7 @@ def _install_encoder_timer(worker) -> None:
     def timed(*args, **kwargs):
         start = time.perf_counter()
         out = inner(*args, **kwargs)
-        if hasattr(torch, "supa"):
-            torch.supa.synchronize()
+        backend.synchronize()  # a card runs the tower asynchronously
         model._br_encoder_s += time.perf_counter() - start
         return out
 
