@@ -4,6 +4,8 @@ device weight layout round-trips and leaves linear outputs unchanged."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from vllm_br.layers import layernorm as br_norm  # noqa: E402
 from vllm_br.layers import linear as br_linear  # noqa: E402
 from vllm_br.layers import mm_encoder as br_mm  # noqa: E402
 from vllm_br.layers import rotary as br_rope  # noqa: E402
+from vllm_br.layers import vision as br_vision  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -51,6 +54,28 @@ def vllm_env(monkeypatch, vllm_config):
 def assert_dispatches_to_oot(layer) -> None:
     if current_platform.is_out_of_tree() and layer.enabled():
         assert layer._forward_method.__func__ is type(layer).forward_oot
+
+
+@contextlib.contextmanager
+def count_calls(*names: str):
+    """Counts the calls of the plugin ops ``names`` inside the block."""
+    from vllm_br.ops import registry
+
+    calls = dict.fromkeys(names, 0)
+    saved = {name: registry.get_op(name) for name in names}
+
+    def counted(name):
+        def op(*args, **kwargs):
+            calls[name] += 1
+            return saved[name](*args, **kwargs)
+
+        return op
+
+    registry._RESOLVED.update({name: counted(name) for name in names})
+    try:
+        yield calls
+    finally:
+        registry._RESOLVED.update(saved)
 
 
 def same(a, b) -> None:
@@ -82,6 +107,10 @@ def all_oot_pairs():
         ),
         (br_rope.MRotaryEmbedding, br_rope.SUPAMRotaryEmbedding),
         (br_mm.MMEncoderAttention, br_mm.SUPAMMEncoderAttention),
+        (br_vision.Conv2dLayer, br_vision.SUPAConv2dLayer),
+        (br_vision.Conv3dLayer, br_vision.SUPAConv3dLayer),
+        (br_vision.ApplyRotaryEmb, br_vision.SUPAApplyRotaryEmb),
+        (br_vision.LayerNorm, br_vision.SUPALayerNorm),
     ]
     return pairs
 
@@ -400,6 +429,86 @@ def test_mm_encoder_attention_layer(dtype, four_d):
         want = layer._forward_sdpa(q, k, v, cu_seqlens)
         assert got.shape == q.shape
         torch.testing.assert_close(got, want.reshape(q.shape), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_layers_patch_embedding(dtype):
+    """Qwen-VL's Conv3dLayer patch embedding and a 2-D patch conv (kernel =
+    stride) run the patch_embedding op; a strided conv with overlap (kernel
+    != stride) stays torch's. Each equals vLLM's own forward_native."""
+    from vllm.model_executor.layers.conv import Conv2dLayer, Conv3dLayer
+
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    cases = [
+        (Conv3dLayer(3, 16, (2, 14, 14), (2, 14, 14), bias=False), (4, 3, 2, 14, 14)),
+        (Conv2dLayer(8, 16, 2, 2), (2, 8, 6, 10)),
+        (Conv2dLayer(8, 16, 3, 2, padding=1), (2, 8, 6, 10)),
+    ]
+    for layer, shape in cases:
+        assert type(layer).__name__ == f"SUPA{type(layer).__mro__[2].__name__}"
+        assert_dispatches_to_oot(layer)
+        with torch.no_grad():
+            layer.weight.normal_(0, 0.1)
+            if layer.bias is not None:
+                layer.bias.normal_()
+        layer = layer.to(dtype)
+        x = torch.randn(shape, dtype=dtype)
+        with count_calls("patch_embedding") as calls:
+            got = layer.forward_oot(x)
+        assert calls["patch_embedding"] == int(layer.enable_linear)
+        torch.testing.assert_close(got, layer.forward_native(x), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_rotary_emb_layer(dtype):
+    from vllm.model_executor.layers.rotary_embedding.common import ApplyRotaryEmb
+
+    for kwargs in ({}, {"is_neox_style": False, "enable_fp32_compute": True}):
+        layer = ApplyRotaryEmb(enforce_enable=True, **kwargs)
+        assert type(layer) is br_vision.SUPAApplyRotaryEmb
+        assert_dispatches_to_oot(layer)
+        x = torch.randn(2, 9, 3, 16, dtype=dtype)
+        angles = torch.rand(9, 8) * 20
+        got = layer.forward_oot(x, angles.cos(), angles.sin())
+        same(got, layer.forward_native(x, angles.cos(), angles.sin()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_layers(dtype):
+    """vLLM's LayerNorm and the plain torch.nn.LayerNorm the towers build
+    (re-classed after loading) on the layer_norm op, equal to their own
+    forward."""
+    from torch import nn
+    from vllm.model_executor.layers.layernorm import LayerNorm
+
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    x = torch.randn(5, 64, dtype=dtype) * 3
+    for weight_dtype in (dtype, torch.float32):
+        layer = LayerNorm(64, eps=1e-6, dtype=weight_dtype)
+        assert type(layer) is br_vision.SUPALayerNorm
+        assert_dispatches_to_oot(layer)
+        with torch.no_grad():
+            layer.weight.normal_(1, 0.1)
+            layer.bias.normal_(0, 0.1)
+        torch.testing.assert_close(layer.forward_oot(x), layer.forward_native(x), **tol)
+
+    tower = nn.Sequential(
+        nn.LayerNorm(64, eps=1e-6), nn.Linear(64, 64), nn.LayerNorm(64, bias=False),
+        nn.LayerNorm((4, 16)),  # over two dimensions: left to torch
+    ).to(dtype)  # fmt: skip
+    x4 = x.view(5, 4, 16)
+    want = [tower[0](x), tower[2](x), tower[3](x4)]
+    assert br_vision.adopt_torch_layer_norms(tower) == 2
+    assert [type(m) for m in tower] == [
+        br_vision.SUPATorchLayerNorm, nn.Linear, br_vision.SUPATorchLayerNorm,
+        nn.LayerNorm,
+    ]  # fmt: skip
+    with count_calls("layer_norm") as calls:
+        got = [tower[0](x), tower[2](x), tower[3](x4)]
+    assert calls["layer_norm"] == 2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **tol)
+    assert br_vision.adopt_torch_layer_norms(tower) == 0  # idempotent
 
 
 # ---- embedding and logits ---------------------------------------------------------

@@ -455,6 +455,89 @@ def test_rotary_position_zero_is_identity():
     assert torch.equal(q, query)
 
 
+# ---- the vision towers' ops --------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_equals_the_formula(dtype):
+    """(x - mean) / sqrt(var + eps) * w + b in float64; also with float32
+    weights on a bfloat16 input (vLLM's LayerNorm(dtype=float32)) and with
+    no affine parameters."""
+    x = (torch.randn(5, 3, 96) * 2 + 0.3).to(dtype)
+    w = (torch.randn(96) * 0.1 + 1).to(dtype)
+    b = (torch.randn(96) * 0.1).to(dtype)
+    x64 = x.double()
+    centred = x64 - x64.mean(-1, keepdim=True)
+    normed = centred / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = normed * w.double() + b.double()
+    close(layernorm.layer_norm(x, w, b, 1e-6), want)
+    close(layernorm.layer_norm(x, w.float(), b.float(), 1e-6), want)
+    close(layernorm.layer_norm(x, None, None, 1e-6), normed)
+    assert layernorm.layer_norm(x, w, b, 1e-6).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+def test_apply_rotary_emb_equals_transformers_vision_rotary(dtype, neox):
+    """The vision towers' rotary against transformers' Qwen2-VL
+    ``apply_rotary_pos_emb_vision`` (float32 rotation, cos / sin per patch
+    over the whole head); GPT-J pairs against the float64 formula."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        apply_rotary_pos_emb_vision,
+    )
+
+    seq, heads, head = 21, 3, 16
+    angles = torch.rand(seq, head // 2, dtype=torch.float64) * 30
+    cos, sin = angles.cos().float(), angles.sin().float()
+    q = torch.randn(2, seq, heads, head).to(dtype)
+    k = torch.randn(seq, heads, head).to(dtype)  # 3-D, as vLLM also passes
+    for x in (q, k):
+        got = rotary.apply_rotary_emb(x, cos, sin, neox, fp32_compute=True)
+        if neox:
+            full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+            want, _ = apply_rotary_pos_emb_vision(x, x, full_cos, full_sin)
+            # Both rotate in float32 and round once: equal in float32 up to
+            # summation order, within one bfloat16 rounding.
+            close(got, want.float())
+        else:
+            x64 = x.double()
+            c, s_ = angles.cos()[:, None, :], angles.sin()[:, None, :]
+            x1, x2 = x64[..., 0::2], x64[..., 1::2]
+            want = torch.stack((x1 * c - x2 * s_, x2 * c + x1 * s_), -1).flatten(-2)
+            close(got, want)
+        assert got.dtype == dtype and got.shape == x.shape
+        # Without fp32_compute the rotation runs in the input's dtype.
+        close(rotary.apply_rotary_emb(x, cos, sin, neox), got.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape,kernel",
+    [((4, 3, 2, 28, 14), (2, 14, 14)), ((2, 8, 12, 18), (2, 3))],
+    ids=["conv3d", "conv2d"],
+)
+def test_patch_embedding_equals_torch_conv(dtype, shape, kernel):
+    """A convolution with stride = kernel (the towers' patch embedding,
+    GLM-4V's 2x2 downsample) against torch's conv in float64."""
+    import torch.nn.functional as F
+
+    from vllm_br.ops.patch_embedding import patch_embedding
+
+    fan_in = shape[1] * math.prod(kernel)
+    x = torch.randn(shape).to(dtype)
+    w = (torch.randn(32, shape[1], *kernel) / math.sqrt(fan_in)).to(dtype)
+    b = torch.randn(32).to(dtype)
+    conv = F.conv3d if len(kernel) == 3 else F.conv2d
+    for bias in (b, None):
+        want = conv(
+            x.double(), w.double(), None if bias is None else bias.double(),
+            stride=kernel,
+        )  # fmt: skip
+        got = patch_embedding(x, w, bias)
+        assert got.shape == want.shape and got.dtype == dtype
+        close(got, want)
+
+
 # ---- embedding and logits -------------------------------------------------
 
 

@@ -52,6 +52,46 @@ def test_every_applied_patch_is_in_the_ledger():
     assert set(patches._APPLY) <= names, set(patches._APPLY) - names
 
 
+# ---- pil-decompression-bomb-limit ---------------------------------------------
+def _png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (width, height)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("limit", [None, "0"], ids=["default", "disabled"])
+def test_pil_bomb_limit_leaves_the_refusal_to_vllm(monkeypatch, limit):
+    """An image over VLLM_MAX_IMAGE_PIXELS is refused by vLLM's own check
+    (a ValueError: a 400 naming the setting) instead of PIL's
+    DecompressionBombError (a 500); with the limit disabled (0) PIL's check
+    stays."""
+    from PIL import Image
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 89_478_485)  # PIL's default
+    if limit is None:
+        monkeypatch.delenv("VLLM_MAX_IMAGE_PIXELS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_MAX_IMAGE_PIXELS", limit)
+    bomb = _png(15000, 15000)  # 225,000,000 pixels
+    with pytest.raises(Image.DecompressionBombError):
+        ImageMediaIO().load_bytes(bomb)  # what vLLM alone does
+    patches._APPLY["pil-decompression-bomb-limit"]()
+    if limit is None:
+        assert Image.MAX_IMAGE_PIXELS is None
+        with pytest.raises(ValueError, match="exceed the maximum of 178956970 pixels"):
+            ImageMediaIO().load_bytes(bomb)
+        assert ImageMediaIO().load_bytes(_png(64, 48)).media.size == (64, 48)
+    else:
+        assert Image.MAX_IMAGE_PIXELS == 89_478_485  # PIL's own
+        with pytest.raises(Image.DecompressionBombError):
+            ImageMediaIO().load_bytes(bomb)
+
+
 # ---- user_error_sentence ------------------------------------------------------
 def test_sentence_of_a_supa_error():
     assert patches.user_error_sentence(SUPAConfigError(SENTENCE)) == SENTENCE

@@ -113,7 +113,7 @@ def _pop_std(a: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- #
-# RMSNorm
+# RMSNorm and LayerNorm
 # --------------------------------------------------------------------------- #
 
 
@@ -152,6 +152,26 @@ def _check_fused_add_rms_norm(ctx, dtype, tol):
         m.close(f"{label} residual", residual, s)
     m.exact("input x unchanged", x, x0)
     m.exact("input residual unchanged", r, r0)
+    return m.outcome()
+
+
+def _check_layer_norm(ctx, dtype, tol):
+    m = op_measure(tol, "layer_norm")
+    g = generator(18)
+    x = randn(ctx, g, 9, 256, dtype=dtype, scale=2.0, offset=0.3)
+    w = randn(ctx, g, 256, dtype=dtype, scale=0.1, offset=1.0)
+    b = randn(ctx, g, 256, dtype=dtype, scale=0.1)
+    op = get_op("layer_norm")
+    x64 = d64(x)
+    centred = x64 - x64.mean(-1, keepdim=True)
+    normed = centred / torch.sqrt((centred**2).mean(-1, keepdim=True) + 1e-6)
+    m.close("weight and bias", op(x, w, b, 1e-6), normed * d64(w) + d64(b))
+    m.close("weight only", op(x, w, None, 1e-6), normed * d64(w))
+    m.close("no affine", op(x, None, None, 1e-6), normed)
+    # vLLM's LayerNorm(dtype=float32) on a bfloat16 input: float32 weights.
+    m.close(
+        "float32 weight", op(x, w.float(), b.float(), 1e-6), normed * d64(w) + d64(b)
+    )
     return m.outcome()
 
 
@@ -277,6 +297,66 @@ def _check_mrope(ctx, dtype, tol):
         args = (hd, rd, c64, True, section, interleaved)
         m.close(f"{label} query", oq, _mrope_ref(positions, d64(q), *args))
         m.close(f"{label} key", ok, _mrope_ref(positions, d64(k), *args))
+    return m.outcome()
+
+
+def _check_apply_rotary_emb(ctx, dtype, tol):
+    """The vision towers' rotary: per-token angles given as cos / sin."""
+    m = op_measure(tol, "apply_rotary_emb")
+    g = generator(19)
+    op = get_op("apply_rotary_emb")
+    t, hd = 15, 64
+    angles = torch.rand(t, hd // 2, generator=g, dtype=torch.float64) * 40.0
+    cos = angles.cos().to(torch.float32).to(ctx.device)
+    sin = angles.sin().to(torch.float32).to(ctx.device)
+    c64, s64 = d64(cos)[:, None, :], d64(sin)[:, None, :]
+    for label, neox, batched, fp32 in (
+        ("neox", True, False, False),
+        ("gptj, batched", False, True, False),
+        ("neox, fp32 compute", True, True, True),
+    ):
+        shape = (2, t, 4, hd) if batched else (t, 4, hd)
+        x = randn(ctx, g, *shape, dtype=dtype)
+        flat = d64(x).reshape(-1, t, 4, hd)
+        ref = torch.stack([_rotate64(r, hd, hd, c64, s64, neox) for r in flat])
+        m.close(label, op(x, cos, sin, neox, fp32), ref.reshape(shape))
+    return m.outcome()
+
+
+# --------------------------------------------------------------------------- #
+# Patch embedding
+# --------------------------------------------------------------------------- #
+
+
+def _check_patch_embedding(ctx, dtype, tol):
+    """A convolution with stride = kernel: each output is one patch's dot
+    product with each filter (sums over channels and kernel positions)."""
+    m = op_measure(tol, "patch_embedding")
+    g = generator(20)
+    op = get_op("patch_embedding")
+    # (label, input [B, C, *spatial], kernel): Qwen-VL's temporal patch of 2
+    # frames, and a 2-D patch embedding / GLM-4V's downsample.
+    for label, shape, kernel in (
+        ("3-D", (5, 3, 2, 8, 8), (2, 4, 4)),
+        ("2-D", (2, 4, 8, 12), (4, 4)),
+    ):
+        k = shape[1] * math.prod(kernel)
+        x = randn(ctx, g, *shape, dtype=dtype)
+        w = randn(ctx, g, 24, shape[1], *kernel, dtype=dtype, scale=1 / math.sqrt(k))
+        b = randn(ctx, g, 24, dtype=dtype)
+        # [B, C, G1, K1, G2, K2, ...]: grid index and offset within a patch
+        split = [shape[0], shape[1]]
+        for size, kk in zip(shape[2:], kernel, strict=True):
+            split += [size // kk, kk]
+        x64 = d64(x).reshape(split)
+        nd = len(kernel)
+        grid = "ghi"[:nd]
+        inner = "pqr"[:nd]
+        xs = "bc" + "".join(a + b for a, b in zip(grid, inner, strict=True))
+        eq = f"{xs},oc{inner}->bo{grid}"
+        ref = torch.einsum(eq, x64, d64(w))
+        m.close(f"{label}, no bias", op(x, w, None), ref)
+        m.close(f"{label}, bias", op(x, w, b), ref + d64(b).view(-1, *[1] * nd))
     return m.outcome()
 
 
@@ -433,8 +513,11 @@ CHECKS: list[OpCheck] = [
     OpCheck(
         "fused_add_rms_norm", ("fused_add_rms_norm",), _check_fused_add_rms_norm, TOL
     ),
+    OpCheck("layer_norm", ("layer_norm",), _check_layer_norm, TOL),
     OpCheck("rotary_embedding", ("rotary_embedding",), _check_rotary, TOL),
     OpCheck("mrope_rotary_embedding", ("mrope_rotary_embedding",), _check_mrope, TOL),
+    OpCheck("apply_rotary_emb", ("apply_rotary_emb",), _check_apply_rotary_emb, TOL),
+    OpCheck("patch_embedding", ("patch_embedding",), _check_patch_embedding, TOL),
     OpCheck("embedding", ("embedding",), _check_embedding, TOL),
     OpCheck(
         "vocab_parallel_embedding",

@@ -32,6 +32,7 @@ def register_all() -> list[str]:
             mm_encoder,
             moe,
             rotary,
+            vision,
         )
 
         names: list[str] = []
@@ -43,6 +44,7 @@ def register_all() -> list[str]:
             linear,
             moe,
             mm_encoder,
+            vision,
         ):
             names.extend(module.register())
         _registered = names

@@ -1,4 +1,4 @@
-"""RMSNorm, with and without the fused residual add.
+"""RMSNorm, with and without the fused residual add, and LayerNorm.
 
 Same arithmetic as vLLM's ``RMSNorm.forward_native`` (``vllm.ir.ops``
 ``rms_norm`` / ``fused_add_rms_norm``): statistics in float32, the residual
@@ -54,3 +54,20 @@ def fused_add_rms_norm(
     summed = x.to(torch.float32) + residual.to(torch.float32)
     new_residual = summed.to(orig_dtype)
     return _normalize(summed, weight, eps, variance_size, orig_dtype), new_residual
+
+
+@register_op("layer_norm")
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """Mean-centred LayerNorm over the last dimension (``torch.nn.LayerNorm``
+    and vLLM's ``LayerNorm``; the vision towers' norm): statistics, scale and
+    shift in float32, the result cast to ``x``'s dtype, as torch's own
+    bfloat16 kernel and vLLM's widened ``LayerNorm`` compute it."""
+    w = None if weight is None else weight.to(torch.float32)
+    b = None if bias is None else bias.to(torch.float32)
+    out = torch.nn.functional.layer_norm(x.to(torch.float32), (x.shape[-1],), w, b, eps)
+    return out.to(x.dtype)

@@ -134,3 +134,22 @@ def mrope_rotary_embedding(
         cos, sin = cos_c.to(key.dtype), sin_c.to(key.dtype)
     key = _apply(key, cos, sin, num_tokens, head_size, rotary_dim, is_neox_style)
     return query, key
+
+
+@register_op("apply_rotary_emb")
+def apply_rotary_emb(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    is_neox_style: bool,
+    fp32_compute: bool = False,
+) -> torch.Tensor:
+    """Rotary with per-token angles given directly (vLLM's ``ApplyRotaryEmb``:
+    the vision towers' 2-D rotary, whose cos/sin come from each patch's
+    (row, column)). ``x`` ``[..., S, H, D]``; ``cos``/``sin`` ``[S, D // 2]``
+    (or ``[..., S, D // 2]``). ``fp32_compute`` rotates in float32 and casts
+    back, as vLLM's ``enable_fp32_compute``."""
+    dtype = torch.float32 if fp32_compute else x.dtype
+    cos = cos.unsqueeze(-2).to(dtype)
+    sin = sin.unsqueeze(-2).to(dtype)
+    return _rotate(x.to(dtype), cos, sin, is_neox_style).to(x.dtype)

@@ -130,6 +130,37 @@ LEDGER: list[Patch] = [
         scope="engine core (every process that loaded vLLM's Ray executor)",
         upstream="vllm/v1/executor/ray_executor_v2.py:79, 152 (RayWorkerProc, get_accelerator_ids()[device_key]); vllm/v1/executor/ray_utils.py:201",
     ),
+    Patch(
+        name="torch-layer-norms",
+        target="torch.nn.LayerNorm modules of a loaded model (their __class__)",
+        why=(
+            "vLLM's vision towers (Qwen-VL, GLM-4V, InternViT), like its BERT-style "
+            "encoders, build plain torch.nn.LayerNorm, which is no CustomOp and has "
+            "no out-of-tree entry. After loading, the model runner re-classes each such module "
+            "to SUPATorchLayerNorm, an nn.LayerNorm subclass that runs the "
+            "layer_norm op (vllm_br/layers/vision.py); weights and state are "
+            "untouched and no vLLM code changes."
+        ),
+        remove_when="vLLM's models build its LayerNorm CustomOp.",
+        scope="worker",
+        upstream="vllm/model_executor/models/qwen2_vl.py:407; vllm/model_executor/models/glm4_1v.py:394; vllm/model_executor/models/interns1_vit.py:28 (nn.LayerNorm)",
+    ),
+    Patch(
+        name="pil-decompression-bomb-limit",
+        target="PIL.Image.MAX_IMAGE_PIXELS (set to None)",
+        why=(
+            "vLLM refuses an image over VLLM_MAX_IMAGE_PIXELS (default 178,956,970 "
+            "pixels, PIL's own bomb limit) with a 400 that names the setting, but "
+            "PIL's check runs first, inside Image.open, and raises "
+            "DecompressionBombError, which vLLM's image loader does not catch: "
+            "the request ends in a 500. With PIL's check off, vLLM's check (the "
+            "same limit unless the user sets it) answers. Applied where the "
+            "variable is above 0, so a limit always remains."
+        ),
+        remove_when="vLLM's ImageMediaIO.load_bytes catches DecompressionBombError.",
+        scope="every process",
+        upstream="vllm/multimodal/media/image.py:83, 98 (open_image before the pixel check; OSError only)",
+    ),
 ]
 
 
@@ -137,6 +168,15 @@ def _cpu_torch_accelerator() -> None:
     from vllm_br.device import get_backend
 
     get_backend().install_torch_accelerator()
+
+
+def _pil_decompression_bomb_limit() -> None:
+    import vllm.envs
+
+    if vllm.envs.VLLM_MAX_IMAGE_PIXELS > 0:
+        from PIL import Image
+
+        Image.MAX_IMAGE_PIXELS = None
 
 
 def _causes(exc: BaseException | None):
@@ -213,6 +253,7 @@ _APPLY: dict[str, Callable[[], None]] = {
     "cpu-torch-accelerator": _cpu_torch_accelerator,
     "cli-config-error-hook": _cli_config_error_hook,
     "ray-executor-supa-devices": _ray_executor_supa_devices,
+    "pil-decompression-bomb-limit": _pil_decompression_bomb_limit,
 }
 
 

@@ -20,7 +20,7 @@ from vllm_br import compat
 from vllm_br.compilation.capture import capture_graphs, estimate_graph_memory
 from vllm_br.compilation.graph_wrapper import SUPAGraphWrapper
 from vllm_br.device import DeviceBackend, get_backend
-from vllm_br.layers import matmul_weights
+from vllm_br.layers import matmul_weights, vision
 from vllm_br.logger import init_logger
 from vllm_br.ops import get_op
 
@@ -64,6 +64,9 @@ class SUPAModelRunner(GPUModelRunner):
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
+        # The models' plain torch.nn.LayerNorm (vision towers) onto the layer_norm op
+        # (patch ledger: torch-layer-norms).
+        vision.adopt_torch_layer_norms(self.get_model())
         # Before profiling, so the copies are counted against the KV cache.
         matmul_weights.attach(self.get_model())
         matmul_weights.prepare(self.get_model())
