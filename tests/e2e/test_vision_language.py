@@ -26,9 +26,10 @@ and images made here (seeded noise, 140 x 112, and a colour pattern,
 - bfloat16: vLLM's ``check_logprobs_close`` rule against transformers run
   in bfloat16.
 
-Qwen2-VL's float32 test runs in the default tier, and so on the stand-in
+Qwen2-VL's float32 test runs in the default tier and so on the stand-in
 SUPA device, where it also checks that the supa backend serves it; the
-other families, bfloat16 and the ``vllm serve`` test (base64 images through
+other families' float32 test runs in the slow tier on cpu and in the
+stand-in tier on supa; bfloat16 and the ``vllm serve`` test (base64 images through
 the openai client; a downscaled large image; bad images, an image over
 ``VLLM_MAX_IMAGE_PIXELS`` and an http host outside
 ``--allowed-media-domains`` answered with a 400) in the slow tier.
@@ -173,7 +174,18 @@ def _engine(model: str, dtype: str):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_float32_identical_to_hf(vl_dir, family):
-    model = vl_dir(family)
+    _float32_parity(vl_dir(family), family)
+
+
+@pytest.mark.supa_backend
+@pytest.mark.parametrize("family", SLOW_FAMILIES)
+def test_float32_identical_to_hf_on_supa(vl_dir, family):
+    """The other families' float32 parity on the supa backend: in the
+    stand-in tier, while their cpu run is in the slow tier."""
+    _float32_parity(vl_dir(family), family)
+
+
+def _float32_parity(model: str, family: str) -> None:
     requests = _requests(family, with_video=family in VIDEO_FAMILIES)
     expected = [
         ids for ids, _ in hf_vl_generate(model, requests, MAX_TOKENS, "float32")
