@@ -27,9 +27,10 @@ and images made here (seeded noise, 140 x 112, and a colour pattern,
   in bfloat16.
 
 Qwen2-VL's float32 test runs in the default tier and so on the stand-in
-SUPA device, where it also checks that the supa backend serves it; the
-other families' float32 test runs in the slow tier on cpu and in the
-stand-in tier on supa; bfloat16 and the ``vllm serve`` test (base64 images through
+SUPA device, where it also checks that the supa backend serves it. The
+rest runs in the slow tier on cpu and, through ``supa_backend`` twins, in
+the stand-in tier on supa: the other families' float32 test, bfloat16 and
+the ``vllm serve`` test (base64 images through
 the openai client; a downscaled large image; bad images, an image over
 ``VLLM_MAX_IMAGE_PIXELS`` and an http host outside
 ``--allowed-media-domains`` answered with a 400) in the slow tier.
@@ -277,7 +278,17 @@ def _float32_parity(model: str, family: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_vl", *SLOW_FAMILIES])
 def test_bfloat16_follows_check_logprobs_close(vl_dir, family):
-    model = vl_dir(family)
+    _bfloat16_parity(vl_dir(family), family)
+
+
+@pytest.mark.supa_backend
+@pytest.mark.parametrize("family", ["qwen2_vl", *SLOW_FAMILIES])
+def test_bfloat16_follows_check_logprobs_close_on_supa(vl_dir, family):
+    """The bfloat16 parity on the supa backend (stand-in tier)."""
+    _bfloat16_parity(vl_dir(family), family)
+
+
+def _bfloat16_parity(model: str, family: str) -> None:
     requests = _requests(family, with_video=False)
     reference = hf_vl_generate(model, requests, MAX_TOKENS, "bfloat16", NUM_LOGPROBS)
     with _engine(model, "bfloat16") as llm:
@@ -305,11 +316,20 @@ def test_served_chat_with_base64_images(vl_dir, tmp_path):
     """``vllm serve`` and the openai client: a base64 image, streamed and
     not, equal to transformers on the prompt the server rendered; bad
     images get a 400 with one sentence and the server keeps serving."""
+    _served_chat(vl_dir("qwen2_vl"), tmp_path)
+
+
+@pytest.mark.supa_backend
+def test_served_chat_with_base64_images_on_supa(vl_dir, tmp_path):
+    """The same through ``vllm serve`` on the supa backend (stand-in tier)."""
+    _served_chat(vl_dir("qwen2_vl"), tmp_path)
+
+
+def _served_chat(model: str, tmp_path) -> None:
     import openai
     import requests
     from PIL import Image
 
-    model = vl_dir("qwen2_vl")
     args = ["--served-model-name", "tiny-vl", "--max-model-len", "1024", "--dtype", "float32",
             "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 2}),
             "--allowed-media-domains", "127.0.0.1"]  # fmt: skip
