@@ -27,7 +27,7 @@ from vllm_br.ops import get_op
 class _ConvOOT:
     def forward_oot(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enable_linear:
-            return self._forward_conv(x)
+            return self.forward_native(x)  # torch's convolution
         return get_op("patch_embedding")(x, self.weight, self.bias)
 
 
