@@ -31,6 +31,7 @@ from tests.fixtures.hf_reference import hf_greedy_logprobs
 from tests.fixtures.tiny_models import build_tiny_llama, prompt_token_ids_of_lengths
 from tests.fixtures.tiny_quant import (
     fake_quant_greedy,
+    fake_quant_greedy_logprobs,
     online_experts_int8_greedy,
     quantize_compressed_tensors,
     write_gptq,
@@ -144,6 +145,87 @@ def test_greedy_equals_fake_quant_reference(base_dir, scheme):
         [(ids, lps) for ids, _, lps in unquantized],
         [(ids[:steps], lps[:steps]) for ids, lps in vllm_logprobs(outputs)],
     )
+
+
+def count_int8_gemv_calls(worker) -> None:
+    """Runs in the worker: from now on, count the calls that the cpu
+    backend's C++ int8 GEMVs served (``int8_gemv``; they return None for
+    what they do not serve)."""
+    from vllm_br.device.cpu_kernels import int8_gemv
+
+    for name in ("w8_bf16", "i8i8"):
+        fn = getattr(int8_gemv, name)
+        fn = getattr(fn, "counted", fn)
+
+        def counted(*args, _fn=fn, _name=name):
+            out = _fn(*args)
+            if out is not None:
+                int8_gemv.served[_name] += 1
+            return out
+
+        counted.counted = fn
+        setattr(int8_gemv, name, counted)
+    int8_gemv.served = {"w8_bf16": 0, "i8i8": 0}
+
+
+def int8_gemv_calls(worker) -> dict[str, int]:
+    """Runs in the worker: the counts, the GEMVs put back uncounted."""
+    from vllm_br.device.cpu_kernels import int8_gemv
+
+    for name in ("w8_bf16", "i8i8"):
+        fn = getattr(int8_gemv, name)
+        setattr(int8_gemv, name, getattr(fn, "counted", fn))
+    return dict(int8_gemv.served)
+
+
+@pytest.mark.skipif(
+    os.environ.get("VLLM_BR_DEVICE") == "supa",
+    reason="the cpu backend's int8 GEMVs; a card binds its own kernels",
+)
+@pytest.mark.parametrize(
+    "scheme,gemv,compiled",
+    [
+        pytest.param("W8A16", "w8_bf16", False, id="W8A16-eager"),
+        pytest.param("W8A8", "i8i8", True, id="W8A8-compiled", marks=pytest.mark.slow),
+    ],
+)
+def test_bf16_decode_runs_the_int8_gemv(base_dir, scheme, gemv, compiled):
+    """In bfloat16 (how the checkpoints are served), decode steps of up to 4
+    sequences run the cpu backend's C++ int8 GEMV, prefill its other paths
+    (int8pack / dequantized GEMM, or float32 GEMMs over K slices for W8A8
+    without VNNI), and the tokens stay close to the float32 fake-quant
+    reference of the checkpoint (``check_logprobs_close``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_br.device.cpu_kernels import int8_gemv
+
+    if int8_gemv.max_rows() == 0:
+        pytest.skip("no C++ int8 GEMV on this host (no compiler)")
+    quant_dir = _checkpoint(base_dir, scheme)
+    prompts = prompt_token_ids_of_lengths(512, [1, 127, 129, 600])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=NUM_LOGPROBS
+    )
+    # Compiled: vLLM's default graph mode (inductor, full and piecewise
+    # graphs), where the GEMVs run inside the plugin's opaque custom ops.
+    graphs = {"mode": "VLLM_COMPILE", "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    mode = {"compilation_config": graphs} if compiled else {"enforce_eager": True}
+    with llm_engine(
+        quant_dir, dtype="bfloat16", max_num_seqs=4, enable_chunked_prefill=True,
+        max_num_batched_tokens=256, **mode,
+    ) as llm:  # fmt: skip
+        llm.collective_rpc(count_int8_gemv_calls)
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params
+        )
+        served = llm.collective_rpc(int8_gemv_calls)[0]
+    # Every quantized layer (8) in each of at least MAX_TOKENS - 1 decode steps.
+    assert served[gemv] >= 8 * (MAX_TOKENS - 1), served
+    reference = fake_quant_greedy_logprobs(
+        base_dir, quant_dir, prompts, MAX_TOKENS, NUM_LOGPROBS
+    )
+    check_logprobs_close(reference, vllm_logprobs(outputs))
 
 
 @pytest.mark.slow

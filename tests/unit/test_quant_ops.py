@@ -6,7 +6,10 @@ Tolerances: int32 parts (unit scales) are exact. float32 outputs: atol 1e-5 /
 rtol 1.3e-6 (a few float32 roundings on outputs of magnitude ~1). bfloat16
 outputs of ``int8_scaled_mm``: atol 1e-5 / rtol 4e-3 (the float32 result is
 rounded once to bf16, relative error <= 2^-9). The cpu kernel against the
-reference: int32 parts bitwise, scaled outputs to 1e-6 relative.
+reference: int32 parts bitwise, scaled outputs to 1e-6 relative. The C++
+int8 GEMVs: int32 sums bitwise; the bf16 GEMV against the float64 formula at
+2^-8 relative (float32 sums, one rounding to bf16) plus atol 1e-2 for sums
+that cancel.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from vllm_br.device import cpu_isa
-from vllm_br.device.cpu_kernels import int8_gemm
+from vllm_br.device.cpu_kernels import int8_gemm, int8_gemv
 from vllm_br.ops import quant, reference_op
 from vllm_br.ops.weight_layout import NUMA, DeviceLayout, to_device_layout
 
@@ -42,13 +45,9 @@ def scales(*shape: int, base: float) -> torch.Tensor:
 
 
 def cpu_kernel(*args, **kwargs):
-    """The cpu backend's ``int8_scaled_mm`` kernel where the host has
-    AVX512-VNNI; elsewhere it must decline, and the reference runs (as
-    ``get_op`` does)."""
+    """The cpu backend's ``int8_scaled_mm`` kernel: it serves every call
+    without an activation zero point, on hosts with and without VNNI."""
     out = int8_gemm.int8_scaled_mm(*args, **kwargs)
-    if not cpu_isa.host_isa().avx512_vnni:
-        assert out is NotImplemented
-        return quant.int8_scaled_mm(*args, **kwargs)
     assert out is not NotImplemented
     return out
 
@@ -122,17 +121,27 @@ def test_cpu_kernel_matches_reference(dtype):
     )
 
 
-def test_cpu_kernel_declines_without_vnni(monkeypatch):
-    """Without VNNI oneDNN's int8 GEMM sums product pairs in saturating int16
-    (full-range int8 comes out wrong), so the kernel leaves it to the
-    reference."""
-    no_vnni = cpu_isa.HostISA(avx512=True, avx512_bf16=True, amx_bf16=False)
-    monkeypatch.setattr(cpu_isa, "host_isa", lambda: no_vnni)
-    x_q, w = i8(3, 40), i8(37, 40)
-    out = int8_gemm.int8_scaled_mm(
-        x_q, w, torch.ones(3, 1), torch.ones(37), torch.float32
-    )
-    assert out is NotImplemented
+@pytest.mark.parametrize("vnni", [False, True])
+@pytest.mark.parametrize("m", [1, 4, 5, 33])
+def test_cpu_kernel_is_exact_for_full_range_int8(monkeypatch, vnni, m):
+    """Sums that saturate int16 pair sums (every product 128 * 128) and pass
+    float32's 2^24 over K = 2500 come out exact on every path: the C++ GEMV
+    (up to 4 rows), ``torch._int_mm`` with VNNI, and the float32 GEMM over
+    K slices without it (``ONEDNN_MAX_CPU_ISA=AVX2`` hosts, AVX2-only CPUs)."""
+    if vnni and not cpu_isa.host_isa().avx512_vnni:
+        pytest.skip("torch._int_mm is exact only with AVX512-VNNI")
+    isa = cpu_isa.HostISA(avx512=False, avx512_bf16=False, amx_bf16=False)
+    if not vnni:
+        monkeypatch.setattr(cpu_isa, "host_isa", lambda: isa)
+    k, n = 2500, 37
+    x_q = torch.full((m, k), -128, dtype=torch.int8)
+    w = torch.full((n, k), -128, dtype=torch.int8)
+    w[1::2] = i8(n // 2, k)
+    x_q[:, ::3] = i8(m, len(range(0, k, 3)))
+    out = int8_gemm._int8_mm(x_q, w)
+    assert out.dtype == torch.int32
+    assert torch.equal(out.to(torch.int64), exact_mm(x_q, w))
+    assert exact_mm(x_q, w).abs().max() > 2**24
 
 
 def test_cpu_kernel_declines_activation_zero_point():
@@ -224,11 +233,13 @@ def test_weight_only_linear(dtype, asym, bits, group):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "rows", [1, int8_gemm.INT8PACK_MAX_ROWS, int8_gemm.INT8PACK_MAX_ROWS + 1]
+    "rows",
+    [1, 4, 5, int8_gemm.INT8PACK_MAX_ROWS, int8_gemm.INT8PACK_MAX_ROWS + 1],
 )
 def test_cpu_weight_only_kernel_matches_formula(dtype, rows):
-    """The cpu kernel for symmetric per-channel int8 weights, on both sides
-    of its row threshold (int8pack GEMM, then dequantize + GEMM), with bias
+    """The cpu kernel for symmetric per-channel int8 weights, on each side
+    of its row thresholds (the C++ GEMV for bf16, int8pack GEMM, then
+    dequantize + GEMM), with bias
     and the NUMA layout, against the float64 formula at the bf16 tolerance."""
     stored, s, _, w = wol_case(8, -1, asym=False)
     x, bias = torch.randn(rows, K, dtype=dtype), torch.randn(N, dtype=dtype)
@@ -255,6 +266,70 @@ def test_cpu_weight_only_kernel_declines_what_it_does_not_serve(case):
     x = torch.randn(2, K, dtype=dtype)
     out = int8_gemm.weight_only_linear(x, stored, s.to(dtype), z, bits)
     assert out is NotImplemented
+
+
+# ---- the C++ int8 GEMVs (int8_gemv.cpp) ------------------------------------
+
+
+def test_int8_gemv_is_built_with_avx2():
+    """Every host the backend supports has AVX2, so with a compiler the GEMVs
+    serve up to 4 rows; without one (the references run) they serve none."""
+    from vllm_br.device.cpu_kernels import load_library
+
+    has_avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    expected = 4 if load_library() is not None and has_avx2 else 0
+    assert int8_gemv.max_rows() == expected
+
+
+needs_gemv = pytest.mark.skipif(
+    int8_gemv.max_rows() == 0, reason="no C++ int8 GEMV on this host"
+)
+
+
+@needs_gemv
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [7, 64, 100, 1536])
+def test_i8i8_gemv_is_exact(m, k):
+    # K = 7 and 100: vector steps (16 / 32 int8) plus a scalar tail.
+    x_q, w = i8(m, k), i8(45, k)
+    x_q[0, :] = -128
+    w[0, :] = -128
+    out = int8_gemv.i8i8(x_q, w)
+    assert torch.equal(out.to(torch.int64), exact_mm(x_q, w))
+
+
+@needs_gemv
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [7, 100, 576])
+def test_w8_bf16_gemv_matches_formula(scale_dtype, m, k):
+    n = 45  # not a multiple of the 4-row steps nor of 2 threads' shares
+    q = i8(n, k)
+    s = scales(n, base=1e-2).to(scale_dtype)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    expected = x.double() @ (q.double() * s.double()[:, None]).T + bias.double()
+    out = int8_gemv.w8_bf16(x, q, s, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=2**-8)
+    no_bias = int8_gemv.w8_bf16(x, q, s, None)
+    torch.testing.assert_close(
+        no_bias.double(), expected - bias.double(), atol=1e-2, rtol=2**-8
+    )
+
+
+@needs_gemv
+def test_int8_gemvs_decline_what_they_do_not_serve():
+    q, s = i8(8, 64), scales(8, base=1e-2)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert (
+        int8_gemv.w8_bf16(torch.randn(5, 64, dtype=torch.bfloat16), q, s, None) is None
+    )
+    assert int8_gemv.w8_bf16(x.half(), q, s, None) is None
+    assert int8_gemv.w8_bf16(x, q, s.half(), None) is None
+    assert int8_gemv.w8_bf16(x, q.t().contiguous().t(), s, None) is None
+    assert int8_gemv.i8i8(i8(5, 64), q) is None
+    assert int8_gemv.i8i8(i8(2, 63), q) is None
 
 
 # ---- int4 packing --------------------------------------------------------

@@ -34,7 +34,7 @@ from vllm_br.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_attention.cpp", "gemv.cpp", "argmax.cpp")
+_SOURCES = ("paged_attention.cpp", "gemv.cpp", "int8_gemv.cpp", "argmax.cpp")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 
 
@@ -144,6 +144,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.vllm_br_gemv_max_rows.restype = ctypes.c_int
     fn = lib.vllm_br_gemv_bf16
     fn.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i64, i32]
+    fn.restype = ctypes.c_int
+    lib.vllm_br_gemv_w8_max_rows.argtypes = []
+    lib.vllm_br_gemv_w8_max_rows.restype = ctypes.c_int
+    fn = lib.vllm_br_gemv_w8_bf16
+    fn.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
+    fn.restype = ctypes.c_int
+    fn = lib.vllm_br_gemv_i8i8
+    fn.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, ptr, i64, i32]
     fn.restype = ctypes.c_int
     fn = lib.vllm_br_argmax_f32
     fn.argtypes = [ptr, i64, i64, i64, ptr, i32]

@@ -1,13 +1,19 @@
 """int8 GEMMs on the host (cpu backend): the ``int8_scaled_mm`` and
 ``weight_only_linear`` ops.
 
-``torch._int_mm`` multiplies int8 matrices with exact int32 accumulation
-(oneDNN on the host), so its result is the reference's bit for bit before
-the scales, and it reads half the bytes of a bf16 weight; only on hosts with
-AVX512-VNNI (``cpu_isa``): without VNNI oneDNN sums pairs of products in
-saturating int16 and full-range int8 comes out wrong, so there the reference
-(an int32 matmul) runs. Calls with an activation zero point (asymmetric
-activations) are declined too.
+W8A8 (``int8_scaled_mm``) sums int8 x int8 products exactly in int32, as the
+reference does, so the result is the reference's bit for bit before the
+scales. Up to four rows (decode) the C++ GEMV of ``int8_gemv`` runs; above,
+``torch._int_mm`` (oneDNN) on hosts with AVX512-VNNI (``cpu_isa``): without
+VNNI oneDNN sums pairs of products in saturating int16 and full-range int8
+comes out wrong, so there a float32 GEMM over slices of at most
+:data:`EXACT_FP32_K` input channels runs, whose sums are integers float32
+holds exactly. Calls with an activation zero point (asymmetric activations)
+are declined (the reference runs).
+
+Weight-only int8 (``weight_only_linear``, W8A16) runs the C++ GEMV up to four
+rows, torch's ``_weight_int8pack_mm`` up to :data:`INT8PACK_MAX_ROWS`, and
+above that one bf16 GEMM on the weight dequantized per call.
 """
 
 from __future__ import annotations
@@ -18,6 +24,37 @@ import torch
 import torch.nn.functional as F
 
 from vllm_br.device import cpu_isa
+from vllm_br.device.cpu_kernels import int8_gemv
+
+# Slices of at most this many input channels keep every float32 partial sum
+# of int8 x int8 products an integer of at most 1024 * 128 * 128 = 2**24 in
+# magnitude, which float32 holds exactly, whatever the summation order.
+EXACT_FP32_K = 1024
+
+
+def _int8_mm_exact_fp32(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x_q @ weight.T`` in int32, exact, by float32 GEMMs over K slices."""
+    acc = None
+    for k0 in range(0, x_q.shape[1], EXACT_FP32_K):
+        part = F.linear(
+            x_q[:, k0 : k0 + EXACT_FP32_K].float(),
+            weight[:, k0 : k0 + EXACT_FP32_K].float(),
+        ).to(torch.int32)
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def _int8_mm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    acc = int8_gemv.i8i8(x_q, weight)
+    if acc is not None:
+        return acc
+    if cpu_isa.host_isa().avx512_vnni:
+        return torch._int_mm(x_q, weight.t())
+    return _int8_mm_exact_fp32(x_q, weight)
+
+
+def _int8_mm_fake(x_q, weight):
+    return x_q.new_empty((x_q.shape[0], weight.shape[0]), dtype=torch.int32)
 
 
 def int8_scaled_mm(
@@ -30,13 +67,12 @@ def int8_scaled_mm(
     bias: torch.Tensor | None = None,
     layout: Any = None,
 ) -> torch.Tensor:
-    if (
-        x_zero_point is not None
-        or x_q.device.type != "cpu"
-        or not cpu_isa.host_isa().avx512_vnni
-    ):
+    if x_zero_point is not None or x_q.device.type != "cpu" or x_q.ndim != 2:
         return NotImplemented
-    acc = torch._int_mm(x_q, weight.t())
+    if torch.compiler.is_compiling():
+        acc = torch.ops.vllm_br.int8_mm(x_q, weight)
+    else:
+        acc = _int8_mm(x_q, weight)
     out = acc.to(torch.float32) * x_scale.float() * weight_scale.float().view(1, -1)
     if bias is not None:
         if layout is not None:
@@ -63,6 +99,9 @@ def _weight_only_int8(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
+    out = int8_gemv.w8_bf16(x, weight, scale, bias)
+    if out is not None:
+        return out
     if x.shape[0] <= INT8PACK_MAX_ROWS:
         out = torch.ops.aten._weight_int8pack_mm(x, weight, scale.to(x.dtype))
     else:
@@ -78,7 +117,10 @@ def _weight_only_int8_fake(x, weight, scale, bias):
 _LIB = torch.library.Library("vllm_br", "FRAGMENT")
 if not hasattr(torch.ops.vllm_br, "weight_only_int8_linear"):
     # Opaque under torch.compile: the row count is dynamic there, and the
-    # choice above is made when the op runs.
+    # choices above are made when the ops run.
+    _LIB.define("int8_mm(Tensor x_q, Tensor weight) -> Tensor")
+    _LIB.impl("int8_mm", _int8_mm, "CompositeExplicitAutograd")
+    torch.library.register_fake("vllm_br::int8_mm", _int8_mm_fake, lib=_LIB)
     _LIB.define(
         "weight_only_int8_linear(Tensor x, Tensor weight, Tensor scale, Tensor? bias)"
         " -> Tensor"
