@@ -1,8 +1,10 @@
 """Quantized SmolLM2 against bfloat16 on the plugin, alternated in one run.
 
 SmolLM2-135M-Instruct is quantized once with the compressed-tensors library
-(``tests/fixtures/tiny_quant.py``: W8A8-INT8 and W8A16, per-channel weights,
-round to nearest; the LM head, tied to the embeddings, stays bfloat16) into
+(``tests/fixtures/tiny_quant.py``: W8A8-INT8 and W8A16-channel, per-channel
+weights, round to nearest, as llmcompressor writes them; its W8A16 preset
+takes groups of 128, which SmolLM2's width 576 does not divide; the LM head,
+tied to the embeddings, stays bfloat16) into
 ``<model cache>/SmolLM2-135M-Instruct-<scheme>``. Each round then runs every
 system (``bf16`` and each scheme) in its own ``run_vllm.py`` subprocess,
 W1 and W2 on one engine, in bfloat16, the order rotating per round so that
@@ -63,7 +65,7 @@ def main() -> None:
     from vllm_br.model_cache import prepare_default_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--schemes", default="W8A8,W8A16")
+    ap.add_argument("--schemes", default="W8A8,W8A16-channel")
     ap.add_argument("--workloads", default="W1,W2")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json-out", type=Path, required=True)

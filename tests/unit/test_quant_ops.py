@@ -231,17 +231,18 @@ def test_weight_only_linear(dtype, asym, bits, group):
     torch.testing.assert_close(out.double(), expected, **tol)
 
 
+@pytest.mark.parametrize("group", [-1, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "rows",
     [1, 4, 5, int8_gemm.INT8PACK_MAX_ROWS, int8_gemm.INT8PACK_MAX_ROWS + 1],
 )
-def test_cpu_weight_only_kernel_matches_formula(dtype, rows):
-    """The cpu kernel for symmetric per-channel int8 weights, on each side
-    of its row thresholds (the C++ GEMV for bf16, int8pack GEMM, then
-    dequantize + GEMM), with bias
+def test_cpu_weight_only_kernel_matches_formula(group, dtype, rows):
+    """The cpu kernel for symmetric int8 weights with scales per channel or
+    per group, on each side of its row thresholds (the C++ GEMV for bf16,
+    int8pack GEMM for per-channel scales, then dequantize + GEMM), with bias
     and the NUMA layout, against the float64 formula at the bf16 tolerance."""
-    stored, s, _, w = wol_case(8, -1, asym=False)
+    stored, s, _, w = wol_case(8, group, asym=False)
     x, bias = torch.randn(rows, K, dtype=dtype), torch.randn(N, dtype=dtype)
     expected = x.double() @ w.T + bias.double()
     out = int8_gemm.weight_only_linear(x, stored, s.to(dtype), None, 8, bias)
@@ -256,11 +257,12 @@ def test_cpu_weight_only_kernel_matches_formula(dtype, rows):
 
 @pytest.mark.parametrize(
     "case",
-    ["float32", "int4", "zero points", "groups"],
+    ["float32", "int4", "zero points"],
 )
 def test_cpu_weight_only_kernel_declines_what_it_does_not_serve(case):
-    bits, group, asym = {"int4": (4, -1, False), "zero points": (8, -1, True),
-                         "groups": (8, 32, False)}.get(case, (8, -1, False))  # fmt: skip
+    bits, group, asym = {"int4": (4, -1, False), "zero points": (8, -1, True)}.get(
+        case, (8, -1, False)
+    )
     stored, s, z, _ = wol_case(bits, group, asym)
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     x = torch.randn(2, K, dtype=dtype)
@@ -319,6 +321,21 @@ def test_w8_bf16_gemv_matches_formula(scale_dtype, m, k):
 
 
 @needs_gemv
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("group", [16, 32, 128])
+def test_w8_bf16_gemv_grouped_scales_match_formula(m, group):
+    """Scales per group of inputs (llmcompressor's W8A16 preset: groups of
+    128), each group's sum scaled once."""
+    k, n = 256, 45
+    q = i8(n, k)
+    s = scales(n, k // group, base=1e-2)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    w = q.double() * s.double().repeat_interleave(group, dim=1)
+    out = int8_gemv.w8_bf16(x, q, s, None)
+    torch.testing.assert_close(out.double(), x.double() @ w.T, atol=1e-2, rtol=2**-8)
+
+
+@needs_gemv
 def test_int8_gemvs_decline_what_they_do_not_serve():
     q, s = i8(8, 64), scales(8, base=1e-2)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
@@ -328,6 +345,9 @@ def test_int8_gemvs_decline_what_they_do_not_serve():
     assert int8_gemv.w8_bf16(x.half(), q, s, None) is None
     assert int8_gemv.w8_bf16(x, q, s.half(), None) is None
     assert int8_gemv.w8_bf16(x, q.t().contiguous().t(), s, None) is None
+    # groups of 4 inputs (not a multiple of the vector width), 3 groups of 64
+    assert int8_gemv.w8_bf16(x, q, scales(8, 16, base=1e-2), None) is None
+    assert int8_gemv.w8_bf16(x, q, scales(8, 3, base=1e-2), None) is None
     assert int8_gemv.i8i8(i8(5, 64), q) is None
     assert int8_gemv.i8i8(i8(2, 63), q) is None
 

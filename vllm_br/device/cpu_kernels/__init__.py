@@ -147,8 +147,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     lib.vllm_br_gemv_w8_max_rows.argtypes = []
     lib.vllm_br_gemv_w8_max_rows.restype = ctypes.c_int
+    lib.vllm_br_gemv_w8_group_multiple.argtypes = []
+    lib.vllm_br_gemv_w8_group_multiple.restype = ctypes.c_int
     fn = lib.vllm_br_gemv_w8_bf16
-    fn.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
+    fn.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, ptr, i32, i32, ptr, ptr, i64, i32]
     fn.restype = ctypes.c_int
     fn = lib.vllm_br_gemv_i8i8
     fn.argtypes = [ptr, i64, i32, ptr, i64, i32, i32, ptr, i64, i32]

@@ -12,8 +12,9 @@ holds exactly. Calls with an activation zero point (asymmetric activations)
 are declined (the reference runs).
 
 Weight-only int8 (``weight_only_linear``, W8A16) runs the C++ GEMV up to four
-rows, torch's ``_weight_int8pack_mm`` up to :data:`INT8PACK_MAX_ROWS`, and
-above that one bf16 GEMM on the weight dequantized per call.
+rows (scales per channel or per group); with per-channel scales torch's
+``_weight_int8pack_mm`` up to :data:`INT8PACK_MAX_ROWS`; otherwise one 16-bit
+GEMM on the weight dequantized per call.
 """
 
 from __future__ import annotations
@@ -99,14 +100,16 @@ def _weight_only_int8(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
+    """``scale``: ``[N, groups]`` (one group: per channel)."""
     out = int8_gemv.w8_bf16(x, weight, scale, bias)
     if out is not None:
         return out
-    if x.shape[0] <= INT8PACK_MAX_ROWS:
-        out = torch.ops.aten._weight_int8pack_mm(x, weight, scale.to(x.dtype))
+    n, groups = scale.shape
+    if groups == 1 and x.shape[0] <= INT8PACK_MAX_ROWS:
+        out = torch.ops.aten._weight_int8pack_mm(x, weight, scale.view(n).to(x.dtype))
     else:
-        w = (weight.to(torch.float32) * scale.to(torch.float32)[:, None]).to(x.dtype)
-        out = F.linear(x, w)  # the reference's rounding of w
+        w = weight.to(torch.float32).view(n, groups, -1) * scale.float()[:, :, None]
+        out = F.linear(x, w.view(n, -1).to(x.dtype))  # the reference's rounding of w
     return out if bias is None else out + bias
 
 
@@ -140,13 +143,12 @@ def weight_only_linear(
     bias: torch.Tensor | None = None,
     layout: Any = None,
 ) -> torch.Tensor:
-    """The ``weight_only_linear`` op for symmetric per-channel int8 weights
-    and bf16 / fp16 activations (W8A16, GPTQ int8 in 16 bits); the reference
-    for the rest (declined)."""
+    """The ``weight_only_linear`` op for symmetric int8 weights with scales
+    per channel or per group and bf16 / fp16 activations (W8A16, GPTQ int8
+    in 16 bits); the reference for the rest (declined)."""
     if (
         bits != 8
         or zero_point is not None
-        or scale.reshape(scale.shape[0], -1).shape[1] != 1
         or x.dtype not in (torch.bfloat16, torch.float16)
         or x.device.type != "cpu"
         or x.ndim != 2
@@ -154,7 +156,7 @@ def weight_only_linear(
         return NotImplemented
     if bias is not None and layout is not None:
         bias = bias.index_select(0, layout.to_device)
-    s = scale.reshape(-1)
+    s = scale.reshape(scale.shape[0], -1)
     if torch.compiler.is_compiling():
         out = torch.ops.vllm_br.weight_only_int8_linear(x, weight, s, bias)
     else:

@@ -60,6 +60,7 @@ inline vf load_w_f32(const int8_t* p) {  // LANES int8 -> float32
 inline vf load_f32(const float* p) { return _mm512_loadu_ps(p); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf zero_f() { return _mm512_setzero_ps(); }
+inline vf set1_f(float v) { return _mm512_set1_ps(v); }
 inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 // 2 * LANES int8 widened to int16
 inline vi load_w_i16(const int8_t* p) {
@@ -83,6 +84,7 @@ inline vf load_w_f32(const int8_t* p) {
 inline vf load_f32(const float* p) { return _mm256_loadu_ps(p); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf zero_f() { return _mm256_setzero_ps(); }
+inline vf set1_f(float v) { return _mm256_set1_ps(v); }
 inline float hsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -119,39 +121,65 @@ inline void prefetch(const int8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
-// The weight-only kernel on rows [n0, n1); xf: M rows of k float32.
+// The weight-only kernel on rows [n0, n1); xf: M rows of k float32. Each
+// row has `groups` scales (row stride `groups`), one per k / groups inputs:
+// either one group (per channel: the sum is scaled once) or groups whose
+// size is a multiple of LANES (each group's vector sums scaled and added).
 template <int M>
 void w8_range(const float* xf, int k, const int8_t* w, int64_t w_st,
-              const float* scale, const uint16_t* scale_bf16,
+              const float* scale, const uint16_t* scale_bf16, int groups,
               const uint16_t* bias, uint16_t* out, int64_t o_st, int n0,
               int n1) {
   constexpr int R = rows_per_step<M>();
-  const int full = k / LANES * LANES;
+  auto scale_of = [&](int row, int g) {
+    const int64_t i = int64_t(row) * groups + g;
+    return scale ? scale[i] : bf16_to_float(scale_bf16[i]);
+  };
+  const int group_size = k / groups;
+  const int full = groups > 1 ? k : k / LANES * LANES;
+  const int span = groups > 1 ? group_size : full;  // inputs per scale step
   for (int n = n0; n < n1; n += R) {
     const int cnt = std::min(R, n1 - n);
     const int8_t* wr[R];
     for (int j = 0; j < R; ++j)  // a short last step repeats a row
       wr[j] = w + int64_t(n + std::min(j, cnt - 1)) * w_st;
-    vf acc[M][R];
+    vf total[M][R];
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < R; ++j) acc[m][j] = zero_f();
-    for (int c = 0; c < full; c += LANES) {
-      vf wv[R];
-      for (int j = 0; j < R; ++j) {
-        wv[j] = load_w_f32(wr[j] + c);
-        if ((c & 63) == 0) prefetch(wr[j] + c + PREFETCH_BYTES);
+      for (int j = 0; j < R; ++j) total[m][j] = zero_f();
+    for (int g0 = 0; g0 < full; g0 += span) {
+      vf acc[M][R];
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < R; ++j) acc[m][j] = zero_f();
+      for (int c = g0; c < g0 + span; c += LANES) {
+        vf wv[R];
+        for (int j = 0; j < R; ++j) {
+          wv[j] = load_w_f32(wr[j] + c);
+          if ((c & 63) == 0) prefetch(wr[j] + c + PREFETCH_BYTES);
+        }
+        for (int m = 0; m < M; ++m) {
+          const vf xv = load_f32(xf + int64_t(m) * k + c);
+          for (int j = 0; j < R; ++j) acc[m][j] = fmadd(wv[j], xv, acc[m][j]);
+        }
       }
-      for (int m = 0; m < M; ++m) {
-        const vf xv = load_f32(xf + int64_t(m) * k + c);
-        for (int j = 0; j < R; ++j) acc[m][j] = fmadd(wv[j], xv, acc[m][j]);
+      if (groups > 1) {
+        vf sv[R];
+        for (int j = 0; j < R; ++j)
+          sv[j] = set1_f(scale_of(n + std::min(j, cnt - 1), g0 / group_size));
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < R; ++j) total[m][j] = fmadd(acc[m][j], sv[j], total[m][j]);
+      } else {
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < R; ++j) total[m][j] = acc[m][j];
       }
     }
     for (int m = 0; m < M; ++m) {
       for (int j = 0; j < cnt; ++j) {
-        float s = hsum(acc[m][j]);
-        for (int c = full; c < k; ++c)
-          s += xf[int64_t(m) * k + c] * static_cast<float>(wr[j][c]);
-        s *= scale ? scale[n + j] : bf16_to_float(scale_bf16[n + j]);
+        float s = hsum(total[m][j]);
+        if (groups == 1) {  // the tail, then the row's one scale
+          for (int c = full; c < k; ++c)
+            s += xf[int64_t(m) * k + c] * static_cast<float>(wr[j][c]);
+          s *= scale_of(n + j, 0);
+        }
         if (bias) s += bf16_to_float(bias[n + j]);
         out[m * o_st + n + j] = to_bf16(s);
       }
@@ -227,17 +255,30 @@ int vllm_br_gemv_w8_max_rows() {
 #endif
 }
 
+// The group sizes (k / groups, where groups > 1) the weight-only kernel takes
+// are multiples of this.
+int vllm_br_gemv_w8_group_multiple() {
+#if defined(VLLM_BR_W8)
+  return LANES;
+#else
+  return 0;
+#endif
+}
+
 // out [m, n] bf16 (row stride o_st) = x [m, k] bf16 (row stride x_st) times
-// the int8 weight w [n, k] (row stride w_st) transposed, each output column
-// times scale [n] (float32, or bf16 where scale_is_bf16), plus bias [n]
-// (bf16) if not null. Returns 1 when it ran, 0 when not (nothing written): m
-// outside 1..max rows.
+// the int8 weight w [n, k] (row stride w_st) dequantized and transposed: each
+// weight times its scale, scale [n, groups] (float32, or bf16 where
+// scale_is_bf16) for groups of k / groups inputs; plus bias [n] (bf16) if not
+// null. Returns 1 when it ran, 0 when not (nothing written): m outside
+// 1..max rows, or groups that do not divide k into multiples of
+// vllm_br_gemv_w8_group_multiple().
 int vllm_br_gemv_w8_bf16(const void* x, int64_t x_st, int32_t m, const void* w,
                          int64_t w_st, int32_t n, int32_t k, const void* scale,
-                         int32_t scale_is_bf16, const void* bias, void* out,
-                         int64_t o_st, int32_t num_threads) {
+                         int32_t scale_is_bf16, int32_t groups, const void* bias,
+                         void* out, int64_t o_st, int32_t num_threads) {
 #if defined(VLLM_BR_W8)
-  if (m < 1 || m > MAX_ROWS) return 0;
+  if (m < 1 || m > MAX_ROWS || groups < 1) return 0;
+  if (groups > 1 && (k % groups || (k / groups) % LANES)) return 0;
   auto xp = static_cast<const uint16_t*>(x);
   std::vector<float> xf(size_t(m) * k);  // the rows once in float32
   for (int i = 0; i < m; ++i)
@@ -250,16 +291,16 @@ int vllm_br_gemv_w8_bf16(const void* x, int64_t x_st, int32_t m, const void* w,
   const float* xv = xf.data();
   parallel_rows(n, num_threads, [&](int n0, int n1) {
     switch (m) {
-      case 1: w8_range<1>(xv, k, wp, w_st, sp, sb, bp, op, o_st, n0, n1); break;
-      case 2: w8_range<2>(xv, k, wp, w_st, sp, sb, bp, op, o_st, n0, n1); break;
-      case 3: w8_range<3>(xv, k, wp, w_st, sp, sb, bp, op, o_st, n0, n1); break;
-      default: w8_range<4>(xv, k, wp, w_st, sp, sb, bp, op, o_st, n0, n1); break;
+      case 1: w8_range<1>(xv, k, wp, w_st, sp, sb, groups, bp, op, o_st, n0, n1); break;
+      case 2: w8_range<2>(xv, k, wp, w_st, sp, sb, groups, bp, op, o_st, n0, n1); break;
+      case 3: w8_range<3>(xv, k, wp, w_st, sp, sb, groups, bp, op, o_st, n0, n1); break;
+      default: w8_range<4>(xv, k, wp, w_st, sp, sb, groups, bp, op, o_st, n0, n1); break;
     }
   });
   return 1;
 #else
   (void)x, (void)x_st, (void)m, (void)w, (void)w_st, (void)n, (void)k;
-  (void)scale, (void)scale_is_bf16, (void)bias, (void)out, (void)o_st, (void)num_threads;
+  (void)scale, (void)scale_is_bf16, (void)groups, (void)bias, (void)out, (void)o_st, (void)num_threads;
   return 0;
 #endif
 }
