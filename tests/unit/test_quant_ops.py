@@ -255,6 +255,20 @@ def test_cpu_weight_only_kernel_matches_formula(group, dtype, rows):
     torch.testing.assert_close(got.double(), expected, **WOL_BF16_TOL)
 
 
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_cpu_weight_only_dequantized_gemm_on_either_host(monkeypatch, fast_bf16):
+    """Above the GEMV and int8pack rows the weight is dequantized per call:
+    multiplied in 16 bits where the host has fast bf16, else in float32 (one
+    rounding of the output); both equal the formula at the bf16 tolerance."""
+    isa = cpu_isa.HostISA(avx512=fast_bf16, avx512_bf16=fast_bf16, amx_bf16=False)
+    monkeypatch.setattr(cpu_isa, "host_isa", lambda: isa)
+    stored, s, _, w = wol_case(8, 32, asym=False)
+    x = torch.randn(int8_gemm.INT8PACK_MAX_ROWS + 1, K, dtype=torch.bfloat16)
+    out = int8_gemm.weight_only_linear(x, stored, s.bfloat16(), None, 8)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), x.double() @ w.T, **WOL_BF16_TOL)
+
+
 @pytest.mark.parametrize(
     "case",
     ["float32", "int4", "zero points"],
