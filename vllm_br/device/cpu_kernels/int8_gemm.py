@@ -13,8 +13,9 @@ are declined (the reference runs).
 
 Weight-only int8 (``weight_only_linear``, W8A16) runs the C++ GEMV up to four
 rows (scales per channel or per group); with per-channel scales torch's
-``_weight_int8pack_mm`` up to :data:`INT8PACK_MAX_ROWS`; otherwise one 16-bit
-GEMM on the weight dequantized per call.
+``_weight_int8pack_mm`` up to :data:`INT8PACK_MAX_ROWS`; otherwise one GEMM
+on the weight dequantized per call (in 16 bits where the host has fast bf16,
+else in float32).
 """
 
 from __future__ import annotations
