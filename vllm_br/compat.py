@@ -277,3 +277,10 @@ WEIGHT_DTYPE_WARNING = (
 # vLLM's register_kernels scan does (worker/kernel_overrides.py). A regex
 # for warnings.filterwarnings.
 TORCH_REDUCE_OP_WARNING = r"`torch\.distributed\.reduce_op` is deprecated"
+
+
+def loaded_expert_biases(layer) -> set[str]:
+    """Names of the expert biases vLLM 0.33's ``RoutedExperts`` weight loader
+    found in the checkpoint (``routed_experts.py``: ``_loaded_expert_biases``;
+    GPTQ MoE methods create bias parameters whether or not any are loaded)."""
+    return set(getattr(layer, "_loaded_expert_biases", ()))

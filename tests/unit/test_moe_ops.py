@@ -409,3 +409,57 @@ def test_int8_experts_match_the_dequantized_formula(
     # (max|row| / 127) of one input, times a weight of about 1 / sqrt(I).
     tol = {"atol": 2e-3, "rtol": 1e-3} if quantize_activations else TOL[torch.float32]
     torch.testing.assert_close(got.double(), expected, **tol)
+
+
+# Weight-only experts: H = 48 and INTER = 20 split into groups of 16 and 4.
+GROUPS_13, GROUPS_2 = H // 16, INTER // 4
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("zero_points", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("n", [3, 9, 40])  # static gather, static dense, dynamic
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_only_experts_match_the_dequantized_formula(
+    bits, zero_points, n, dtype, monkeypatch
+):
+    """Weight-only experts (W8A16 / W4A16 / GPTQ): each weight is ``(q -
+    zero) * scale`` per group of input channels, int4 packed two per byte
+    (``pack_int4``). Against a float64 loop over the unpacked integers
+    written here, on all three paths, in float32 and bfloat16."""
+    from vllm_br.ops.quant import pack_int4
+
+    monkeypatch.setenv("VLLM_BR_STATIC_MOE_DECODER_MAX_LEN", "16")
+    lo, hi = (-8, 8) if bits == 4 else (-128, 128)
+    q13 = torch.randint(lo, hi, (E, 2 * INTER, H), dtype=torch.int8)
+    q2 = torch.randint(lo, hi, (E, H, INTER), dtype=torch.int8)
+    s13 = torch.rand(E, 2 * INTER, GROUPS_13) / (hi * H**0.5)
+    s2 = torch.rand(E, H, GROUPS_2) / (hi * INTER**0.5)
+    z13 = z2 = None
+    if zero_points:
+        z13 = torch.randint(lo, hi, (E, 2 * INTER, GROUPS_13), dtype=torch.int8)
+        z2 = torch.randint(lo, hi, (E, H, GROUPS_2), dtype=torch.int8)
+    x = torch.randn(n, H).to(dtype)
+    weights, ids = _routing(n)
+    stored = (pack_int4(q13), pack_int4(q2)) if bits == 4 else (q13, q2)
+    got = get_op("fused_experts")(
+        x, *stored, weights, ids, w13_scale=s13.to(dtype), w2_scale=s2.to(dtype),
+        w13_zero_point=z13, w2_zero_point=z2, weight_bits=bits,
+    )  # fmt: skip
+
+    def dequantized(q, s, z):  # float64 [E, rows, cols], one group at a time
+        size = q.shape[-1] // s.shape[-1]
+        w = q.double().clone()
+        for g in range(s.shape[-1]):
+            cols = slice(g * size, (g + 1) * size)
+            zero = 0 if z is None else z[..., g : g + 1].double()
+            w[..., cols] = (w[..., cols] - zero) * s.to(dtype)[..., g : g + 1].double()
+        return w
+
+    expected = _ref_experts(
+        x, dequantized(q13, s13, z13), dequantized(q2, s2, z2), weights, ids
+    )
+    assert got.dtype == dtype and got.shape == (n, H)
+    # Outputs are O(1) as for the float experts; zero points shift the
+    # integers (up to twice their range), so bfloat16 rounds more on the way.
+    tol = TOL[dtype] if dtype == torch.float32 else {"atol": 6e-2, "rtol": 4e-2}
+    torch.testing.assert_close(got.double(), expected, **tol)

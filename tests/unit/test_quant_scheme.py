@@ -221,7 +221,10 @@ def test_platform_verify_quantization(monkeypatch):
 
 
 @pytest.mark.parametrize("experts", ["num_experts", "n_routed_experts"])
-def test_quantized_moe_is_served_only_as_w8a8_int8(experts):
+def test_quantized_moe_schemes_pass_the_start_up_check(experts):
+    """MoE checkpoints of every served scheme pass; which expert layouts
+    are served is decided per layer when vLLM builds the quant methods
+    (tests/e2e/test_quantized.py)."""
     w8a8 = model_config("compressed-tensors", ct_config(weights(8), acts(8)))
     setattr(w8a8.hf_config, experts, 8)
     assert scheme.check_checkpoint(w8a8) == 8
@@ -229,10 +232,6 @@ def test_quantized_moe_is_served_only_as_w8a8_int8(experts):
         "compressed-tensors", ct_config(weights(4, strategy="group"), None)
     )
     setattr(w4a16.hf_config, experts, 8)
-    with pytest.raises(SUPAConfigError, match="mixture-of-experts model") as err:
-        scheme.check_checkpoint(w4a16)
-    assert "W8A8-INT8" in assert_one_sentence(err.value)
-    setattr(w4a16.hf_config, experts, 0)  # a dense model of a MoE family
     assert scheme.check_checkpoint(w4a16) == 4
     online = model_config("experts_int8", None)  # bf16 experts quantized on load
     setattr(online.hf_config, experts, 8)

@@ -24,7 +24,10 @@ weight is ``q * scale``, dequantized in float32 and rounded once to the
 activation dtype for the experts a call reads; with ``quantize_activations``
 (W8A8) each GEMM's input rows are quantized to int8 per token first
 (``quantize_int8``) and dequantized, which is what an int8 x int8 GEMM with
-those scales computes, up to the rounding of its float sums.
+those scales computes, up to the rounding of its float sums. Weight-only
+experts (W8A16, W4A16, GPTQ) take the scales per group ``[E, rows, groups]``,
+optional int8 zero points of the same shape and ``weight_bits`` 4 for int4
+packed two per byte (``vllm_br.ops.quant``): ``w = (q - zero) * scale``.
 
 ``fused_experts`` has two paths with the same result up to rounding. Up to
 ``VLLM_BR_STATIC_MOE_DECODER_MAX_LEN`` tokens (decode batches) every shape
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 
 from vllm_br import envs
 from vllm_br.ops.activation import gelu_and_mul, silu_and_mul
-from vllm_br.ops.quant import quantize_int8
+from vllm_br.ops.quant import quantize_int8, unpack_int4
 from vllm_br.ops.registry import register_op
 
 # vLLM's MoEActivation values (fused_moe/activation.py) that we compute; the
@@ -140,29 +143,51 @@ def _act(activation: str):
 
 
 class _Experts:
-    """One expert weight stack ``[E, rows, cols]``: plain, or int8 with
-    per-row scales (dequantized for the experts a path reads)."""
+    """One expert weight stack ``[E, rows, cols]``: plain, or quantized
+    (int8, or int4 packed two per byte as ``vllm_br.ops.quant`` stores it)
+    with scales per row ``[E, rows]`` or per group ``[E, rows, groups]`` and
+    optional int8 zero points shaped like the grouped scales; quantized
+    experts are dequantized in float32 for the experts a path reads and
+    rounded once to the activation dtype."""
 
-    def __init__(self, w: torch.Tensor, scale: torch.Tensor | None, dtype) -> None:
-        self.w, self.scale, self.dtype = w, scale, dtype
+    def __init__(
+        self,
+        w: torch.Tensor,
+        scale: torch.Tensor | None,
+        dtype: torch.dtype,
+        zero_point: torch.Tensor | None = None,
+        bits: int = 8,
+    ) -> None:
+        self.w, self.scale, self.zero_point = w, scale, zero_point
+        self.bits, self.dtype = bits, dtype
         self.num = w.shape[0]
 
-    def _deq(self, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        if scale is None:
+    def _deq(self, ids) -> torch.Tensor:
+        w = self.w[ids]
+        if self.scale is None:
             return w
-        return (w.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(
-            self.dtype
-        )
+        q = unpack_int4(w) if self.bits == 4 else w
+        rows, cols = q.shape[-2:]
+        scale = self.scale[ids].to(torch.float32).reshape(*q.shape[:-2], rows, -1)
+        groups = scale.shape[-1]
+        wf = q.to(torch.float32).reshape(*q.shape[:-1], groups, cols // groups)
+        if self.zero_point is not None:
+            zero = self.zero_point[ids].to(torch.float32)
+            wf = wf - zero.reshape(*scale.shape).unsqueeze(-1)
+        return (wf * scale.unsqueeze(-1)).reshape(q.shape).to(self.dtype)
 
     def select(self, ids: torch.Tensor) -> torch.Tensor:
-        s = None if self.scale is None else self.scale.index_select(0, ids)
-        return self._deq(self.w.index_select(0, ids), s)
+        return self._deq(ids)
 
     def all(self) -> torch.Tensor:
-        return self._deq(self.w, self.scale)
+        return self._deq(slice(None))
 
     def __getitem__(self, e: int) -> torch.Tensor:
-        return self._deq(self.w[e], None if self.scale is None else self.scale[e])
+        return self._deq(e)
+
+    @property
+    def rows(self) -> int:
+        return self.w.shape[1]
 
 
 def _qdq(x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +230,7 @@ def _dynamic(x, w13, w2, weights, ids, act, valid, pre) -> torch.Tensor:
     tokens = order // k
     slot_weights = weights.reshape(-1)[order].unsqueeze(-1)
     counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts]
-    out = torch.zeros(x.shape[0], w2.w.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape[0], w2.rows, dtype=torch.float32, device=x.device)
     xq = pre(x)
     start = 0
     for e, count in enumerate(counts.tolist()):  # one host sync per call
@@ -234,18 +259,23 @@ def fused_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     quantize_activations: bool = False,
+    w13_zero_point: torch.Tensor | None = None,
+    w2_zero_point: torch.Tensor | None = None,
+    weight_bits: int = 8,
 ) -> torch.Tensor:
     """Routed experts for ``hidden_states [N, H]``; returns ``[N, H]`` in its
     dtype. GEMMs and the activation run in that dtype, the weighted sum over
     experts in float32. ``expert_map`` maps global expert ids to local ones
     (-1: not on this rank). ``static_max_tokens`` overrides
     ``VLLM_BR_STATIC_MOE_DECODER_MAX_LEN``. ``w13_scale`` / ``w2_scale`` and
-    ``quantize_activations``: int8 experts (module docstring)."""
+    ``quantize_activations``: int8 experts; with ``w13_zero_point`` /
+    ``w2_zero_point`` and ``weight_bits``: weight-only int8 / int4 experts
+    (module docstring)."""
     act = _act(activation)
     x = hidden_states
     pre = _qdq if quantize_activations else _same
-    w13 = _Experts(w13, w13_scale, x.dtype)
-    w2 = _Experts(w2, w2_scale, x.dtype)
+    w13 = _Experts(w13, w13_scale, x.dtype, w13_zero_point, weight_bits)
+    w2 = _Experts(w2, w2_scale, x.dtype, w2_zero_point, weight_bits)
     ids = topk_ids.long()
     if expert_map is not None:
         ids = torch.where(ids >= 0, expert_map[ids.clamp(min=0)].long(), -1)

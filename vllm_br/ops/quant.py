@@ -94,16 +94,17 @@ def int8_scaled_mm(
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[N, K // 2]`` (low nibble first, offset 8) -> int8 ``[N, K]``."""
+    """uint8 ``[..., N, K // 2]`` (low nibble first, offset 8) -> int8
+    ``[..., N, K]``."""
     low = (packed & 0x0F).to(torch.int8) - 8
     high = (packed >> 4).to(torch.int8) - 8
-    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 ``[N, K]`` in ``[-8, 7]`` -> uint8 ``[N, K // 2]`` (inverse of
-    :func:`unpack_int4`)."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8).reshape(q.shape[0], -1, 2)
+    """int8 ``[..., N, K]`` in ``[-8, 7]`` -> uint8 ``[..., N, K // 2]``
+    (inverse of :func:`unpack_int4`)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8).reshape(*q.shape[:-1], -1, 2)
     return u[..., 0] | (u[..., 1] << 4)
 
 

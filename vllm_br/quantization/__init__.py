@@ -14,7 +14,9 @@ kernel registries, where :func:`register` adds the SUPA kernels for
 and replaces vLLM's ``auto_gptq`` config with one that reaches that kernel
 on SUPA (``vllm_br.quantization.gptq``), and vLLM's compressed-tensors config
 with one that serves W8A8-INT8 MoE experts on the plugin's fused MoE
-(``vllm_br.quantization.moe``), and vLLM's ``experts_int8`` config with one
+(``vllm_br.quantization.moe``); both give weight-only int8 / int4 experts
+their SUPA methods (``vllm_br.quantization.weight_only_moe``). vLLM's
+``experts_int8`` config is replaced with one
 that quantizes a bf16 checkpoint's MoE experts while loading onto the same
 fused MoE (``vllm_br.quantization.online_moe``).
 

@@ -7,8 +7,8 @@ gives ``SUPAWeightOnlyLinearKernel``, so :class:`SUPAAutoGPTQConfig`
 (registered under the same name with vLLM's ``register_quantization_config``,
 which replaces the config for this platform) skips that question, and also
 computes in float32 (the SUPA kernel does; the Marlin path only in 16 bits).
-GPTQ-quantized MoE experts stop with one sentence: their Marlin MoE kernel
-does not exist on SUPA.
+GPTQ-quantized MoE experts get :class:`SUPAAutoGPTQMoEMethod` (vLLM's
+parameters, the plugin's fused MoE) instead of vLLM's Marlin MoE method.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.auto_gptq import (
     AutoGPTQConfig,
     AutoGPTQLinearMethod,
+    get_moe_quant_method,
 )
 from vllm.model_executor.layers.quantization.utils.gptq_utils import (
     get_linear_quant_method,
 )
 
-from vllm_br.errors import SUPAConfigError
+from vllm_br.quantization.weight_only_moe import SUPAAutoGPTQMoEMethod
 
 
 class SUPAAutoGPTQLinearMethod(AutoGPTQLinearMethod):
@@ -42,11 +43,7 @@ class SUPAAutoGPTQConfig(AutoGPTQConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, RoutedExperts):
-            raise SUPAConfigError(
-                f"The GPTQ checkpoint quantizes the MoE experts ({prefix}), which "
-                "SUPA does not serve yet; serve a compressed-tensors W8A8-INT8 or "
-                "unquantized MoE checkpoint."
-            )
+            return get_moe_quant_method(self, layer, prefix, SUPAAutoGPTQMoEMethod)
         return get_linear_quant_method(self, layer, prefix, SUPAAutoGPTQLinearMethod)
 
 

@@ -1,4 +1,5 @@
-"""int8 MoE experts on SUPA: compressed-tensors W8A8-INT8 checkpoints of MoE
+"""Quantized MoE experts of compressed-tensors checkpoints on SUPA: W8A8-INT8
+(here) and W8A16 / W4A16 (``vllm_br.quantization.weight_only_moe``) MoE
 models (Qwen3-MoE, DeepSeek, GLM-4-MoE...) on the plugin's ``fused_experts``.
 
 vLLM builds such a layer's method from the checkpoint's scheme
@@ -7,7 +8,9 @@ int8 MoE oracle for a kernel, which offers Triton and CPU only. So
 :class:`SUPACompressedTensorsConfig`, registered under the same name with
 vLLM's ``register_quantization_config`` (it replaces the config on this
 platform), gives routed experts with a W8A8-INT8 scheme
-:class:`SUPAW8A8Int8MoEMethod` and leaves every other layer to vLLM's config.
+:class:`SUPAW8A8Int8MoEMethod`, weight-only ones
+:class:`SUPACompressedTensorsWNA16MoEMethod`, and leaves every other layer to
+vLLM's config.
 
 The method keeps vLLM's parameters (int8 ``w13_weight [E, 2I, H]`` /
 ``w2_weight [E, H, I]``, per-channel scales), and, like the unquantized
@@ -36,6 +39,7 @@ from vllm_br.errors import SUPAConfigError
 from vllm_br.ops import get_op
 from vllm_br.ops.moe_layer import check_supported, route
 from vllm_br.quantization import scheme
+from vllm_br.quantization.weight_only_moe import SUPACompressedTensorsWNA16MoEMethod
 
 
 class SUPAInt8MoEComputeMixin:
@@ -119,10 +123,19 @@ class SUPACompressedTensorsConfig(CompressedTensorsConfig):
             and inputs.dynamic
         ):
             return SUPAW8A8Int8MoEMethod(weights, inputs, layer.moe_config)
+        if (
+            weights is not None
+            and inputs is None
+            and weights.type == "int"
+            and weights.num_bits in (4, 8)
+            and weights.strategy in ("group", "channel")
+        ):
+            return SUPACompressedTensorsWNA16MoEMethod(weights, None, layer.moe_config)
         raise SUPAConfigError(
             f"The checkpoint quantizes the MoE experts of {prefix} with a scheme "
             "SUPA does not serve for experts; SUPA serves W8A8-INT8 experts "
-            "(int8 per channel, dynamic per-token activations) or unquantized ones."
+            "(int8 per channel, dynamic per-token activations), W8A16 or W4A16 "
+            "experts (per channel or grouped) or unquantized ones."
         )
 
 

@@ -11,9 +11,11 @@ held on the device:
   for memory-bound decode). int8 checkpoints cannot be held in four bits and
   stop at start-up, naming ``INT8``.
 
-Served: compressed-tensors W8A8-INT8 (MoE experts included) (dynamic per-token or static per-tensor
-activations), W8A16 and W4A16 (per channel or grouped, symmetric or with zero
-points), GPTQ int8 / int4 (vLLM's ``auto_gptq`` path, symmetric), and vLLM's
+Served, for linear layers and MoE experts alike: compressed-tensors
+W8A8-INT8 (dynamic per-token or static per-tensor activations; experts:
+per-channel weights, per-token activations), W8A16 and W4A16 (per channel
+or grouped, symmetric or with zero points), GPTQ int8 / int4 (vLLM's
+``auto_gptq`` path, symmetric), and vLLM's
 online ``experts_int8`` (a bf16 / fp16 MoE checkpoint whose experts are
 quantized to int8 while loading). The
 checkpoint's scheme is read from its ``quantization_config`` at start-up, so
@@ -26,7 +28,6 @@ from typing import Any
 
 from vllm_br import envs
 from vllm_br.errors import SUPAConfigError
-from vllm_br.hf_config import routes_to_experts
 
 #: vLLM quantization method names this platform serves (``--quantization``
 #: or the checkpoint's ``quant_method`` after vLLM's override detection).
@@ -108,10 +109,6 @@ def checkpoint_weight_bits(
     return " + ".join(sorted(found)), max(found.values())
 
 
-#: the scheme whose quantized MoE experts SUPA serves (vllm_br.quantization.moe)
-MOE_SCHEME = "compressed-tensors W8A8-INT8"
-
-
 def check_checkpoint(model_config: Any) -> int | None:
     """Stop a checkpoint that ``VLLM_BR_QUANT_METHOD`` cannot serve with one
     sentence; return its weight bits (None: unquantized)."""
@@ -124,18 +121,6 @@ def check_checkpoint(model_config: Any) -> int | None:
     if found is None:
         return None
     scheme, bits = found
-    # Quantized experts run only as W8A8-INT8 (the plugin's fused MoE): another
-    # scheme stops here instead of in loading.
-    if (
-        routes_to_experts(hf_cfg)
-        and scheme != MOE_SCHEME
-        and method != ONLINE_MOE_METHOD
-    ):
-        raise SUPAConfigError(
-            f"This checkpoint quantizes a mixture-of-experts model ({scheme}), "
-            f"whose experts SUPA serves only as {MOE_SCHEME}; serve such a "
-            "checkpoint or the unquantized one."
-        )
     if bits == 8 and envs.VLLM_BR_QUANT_METHOD == "INT4":
         raise SUPAConfigError(
             f"This checkpoint is {scheme} (int8 weights), which "
