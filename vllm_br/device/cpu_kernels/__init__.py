@@ -35,6 +35,8 @@ from vllm_br.logger import init_logger
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_attention.cpp", "gemv.cpp", "int8_gemv.cpp", "argmax.cpp")
+# Included by the sources, so part of the library's cache key.
+_HEADERS = ("bf16.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
 
 
@@ -56,7 +58,7 @@ def _cpu_signature() -> str:
 def _library_path(compiler: str) -> Path:
     here = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for name in _SOURCES:
+    for name in (*_SOURCES, *_HEADERS):
         h.update((here / name).read_bytes())
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True

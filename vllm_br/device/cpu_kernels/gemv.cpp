@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -30,20 +32,8 @@ namespace {
 #if defined(__AVX512BF16__)
 typedef float f32x16 __attribute__((vector_size(64)));
 
-inline float to_float(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, like torch
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
+using vllm_br_bf16::to_bf16;
+using vllm_br_bf16::to_float;
 
 // Lane sums of four vectors.
 inline void hsum4(const f32x16 (&v)[4], float* out) {

@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define VLLM_BR_W8 1
 #include <immintrin.h>
@@ -33,20 +35,8 @@
 namespace {
 
 #if defined(VLLM_BR_W8)
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, like torch
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
+using vllm_br_bf16::to_bf16;
+using vllm_br_bf16::to_float;
 
 // Vectors of the widest ISA built: LANES float32 / int32 lanes.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -133,7 +123,7 @@ void w8_range(const float* xf, int k, const int8_t* w, int64_t w_st,
   constexpr int R = rows_per_step<M>();
   auto scale_of = [&](int row, int g) {
     const int64_t i = int64_t(row) * groups + g;
-    return scale ? scale[i] : bf16_to_float(scale_bf16[i]);
+    return scale ? scale[i] : to_float(scale_bf16[i]);
   };
   const int group_size = k / groups;
   const int full = groups > 1 ? k : k / LANES * LANES;
@@ -180,7 +170,7 @@ void w8_range(const float* xf, int k, const int8_t* w, int64_t w_st,
             s += xf[int64_t(m) * k + c] * static_cast<float>(wr[j][c]);
           s *= scale_of(n + j, 0);
         }
-        if (bias) s += bf16_to_float(bias[n + j]);
+        if (bias) s += to_float(bias[n + j]);
         out[m * o_st + n + j] = to_bf16(s);
       }
     }
@@ -282,7 +272,7 @@ int vllm_br_gemv_w8_bf16(const void* x, int64_t x_st, int32_t m, const void* w,
   auto xp = static_cast<const uint16_t*>(x);
   std::vector<float> xf(size_t(m) * k);  // the rows once in float32
   for (int i = 0; i < m; ++i)
-    for (int c = 0; c < k; ++c) xf[size_t(i) * k + c] = bf16_to_float(xp[i * x_st + c]);
+    for (int c = 0; c < k; ++c) xf[size_t(i) * k + c] = to_float(xp[i * x_st + c]);
   auto wp = static_cast<const int8_t*>(w);
   auto sp = scale_is_bf16 ? nullptr : static_cast<const float*>(scale);
   auto sb = scale_is_bf16 ? static_cast<const uint16_t*>(scale) : nullptr;
