@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -588,3 +589,53 @@ def test_moe_weight_only_equals_fake_quant_reference(case, tiny_moe_dir, monkeyp
     check_logprobs_close(
         [(ids, lps) for ids, _, lps in unquantized], vllm_logprobs(outputs)
     )
+
+
+# Checkpoints written by gptqmodel 7.7 (tests/fixtures/gptqmodel_reference.py
+# says how; it cannot share the serving environment): case -> the method
+# serving its MoE experts (None: a dense model). The MoE runs in the default
+# tier (and so on the stand-in), the Llamas in the slow tier.
+GPTQMODEL_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "gptqmodel"
+GPTQMODEL_CASES = {
+    "qwen3_moe-int4": "SUPAAutoGPTQMoEMethod",
+    "llama-int4": None,
+    "llama-int8": None,
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c, marks=() if "moe" in c else (pytest.mark.slow,))
+        for c in GPTQMODEL_CASES
+    ],
+)
+def test_gptqmodel_checkpoint_equals_fake_quant_reference(case):
+    """A checkpoint gptqmodel wrote (GPTQ's own integers and scales, its
+    unquantized tensors in bfloat16) is detected and served without flags:
+    its linear layers by the weight-only kernel, its experts by
+    ``SUPAAutoGPTQMoEMethod``, giving in float32 the tokens of the
+    checkpoint's own fake-quant reference, with chunked prefill."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    quant_dir = GPTQMODEL_DIR / case
+    method = GPTQMODEL_CASES[case]
+    prompts = prompt_token_ids_of_lengths(512, [1, 127, 129, 300, 7])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with llm_engine(
+        quant_dir, dtype="float32", enable_chunked_prefill=True,
+        max_num_batched_tokens=256,
+    ) as llm:  # fmt: skip
+        linear = llm.collective_rpc(quant_facts)[0]
+        moe = llm.collective_rpc(moe_facts)[0]["moe"]
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params
+        )
+    # qkv and o of both layers (and the Llamas' gate_up and down) on the
+    # weight-only kernel; the MoE's two routed layers on the SUPA GPTQ MoE method.
+    assert {f[0] for f in linear.values()} == {"SUPAWeightOnlyLinearKernel"}, linear
+    assert len(linear) == (4 if method else 8), linear
+    assert set(moe.values()) == ({(method, "torch.int8")} if method else set()), moe
+    assert len(moe) == (2 if method else 0), moe
+    assert token_ids(outputs) == fake_quant_greedy(None, quant_dir, prompts, MAX_TOKENS)
