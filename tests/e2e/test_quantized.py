@@ -593,11 +593,12 @@ def test_moe_weight_only_equals_fake_quant_reference(case, tiny_moe_dir, monkeyp
 
 # Checkpoints written by gptqmodel 7.7 (tests/fixtures/gptqmodel_reference.py
 # says how; it cannot share the serving environment): case -> the method
-# serving its MoE experts (None: a dense model). The MoE runs in the default
-# tier (and so on the stand-in), the Llamas in the slow tier.
+# serving its MoE experts (None: a dense model). The int4 MoE runs in the
+# default tier (and so on the stand-in), the rest in the slow tier.
 GPTQMODEL_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "gptqmodel"
 GPTQMODEL_CASES = {
     "qwen3_moe-int4": "SUPAAutoGPTQMoEMethod",
+    "qwen3_moe-int8": "SUPAAutoGPTQMoEMethod",
     "llama-int4": None,
     "llama-int8": None,
 }
@@ -606,7 +607,9 @@ GPTQMODEL_CASES = {
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(c, id=c, marks=() if "moe" in c else (pytest.mark.slow,))
+        pytest.param(
+            c, id=c, marks=() if c == "qwen3_moe-int4" else (pytest.mark.slow,)
+        )
         for c in GPTQMODEL_CASES
     ],
 )
