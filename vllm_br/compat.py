@@ -284,3 +284,13 @@ def loaded_expert_biases(layer) -> set[str]:
     found in the checkpoint (``routed_experts.py``: ``_loaded_expert_biases``;
     GPTQ MoE methods create bias parameters whether or not any are loaded)."""
     return set(getattr(layer, "_loaded_expert_biases", ()))
+
+
+def online_moe_methods() -> dict:
+    """vLLM 0.33's table of online MoE quant methods by weight QuantKey
+    (``quantization/online/base.py``: ``_ONLINE_MOE_METHODS``), which the
+    ``--quantization`` shorthands such as ``int8_per_channel_weight_only``
+    resolve through."""
+    from vllm.model_executor.layers.quantization.online import base
+
+    return base._ONLINE_MOE_METHODS

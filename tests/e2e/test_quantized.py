@@ -498,6 +498,36 @@ def test_online_experts_int8_equals_reference(tiny_qwen3_moe_dir):
     )
 
 
+@pytest.mark.slow
+@pytest.mark.cpu_backend
+def test_online_int8_per_channel_shorthand_equals_experts_int8(tiny_qwen3_moe_dir):
+    """``--quantization int8_per_channel_weight_only`` (vLLM's online config,
+    the same computation as ``experts_int8``) runs the experts on
+    ``SUPAInt8OnlineMoEMethod`` and gives ``experts_int8``'s tokens, in
+    bfloat16 (vLLM's online config takes 16-bit models only); the test above
+    checks ``experts_int8`` against its reference."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = prompt_token_ids_of_lengths(512, [1, 127, 129, 300, 7])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tokens, facts = {}, {}
+    for method in ("int8_per_channel_weight_only", "experts_int8"):
+        with llm_engine(
+            tiny_qwen3_moe_dir, dtype="bfloat16", quantization=method,
+            enable_chunked_prefill=True, max_num_batched_tokens=256,
+        ) as llm:  # fmt: skip
+            facts[method] = llm.collective_rpc(moe_facts)[0]["moe"]
+            outputs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompts], params
+            )
+        tokens[method] = token_ids(outputs)
+    for method, moe in facts.items():
+        assert len(moe) == 2, (method, moe)
+        assert set(moe.values()) == {("SUPAInt8OnlineMoEMethod", "torch.int8")}, moe
+    assert tokens["int8_per_channel_weight_only"] == tokens["experts_int8"]
+
+
 @pytest.fixture(scope="module")
 def grouped_moe_dir(tmp_path_factory):
     """A tiny random Qwen3-MoE whose widths the preset's groups of 128

@@ -146,6 +146,34 @@ LEDGER: list[Patch] = [
         upstream="vllm/model_executor/models/qwen2_vl.py:407; vllm/model_executor/models/glm4_1v.py:394; vllm/model_executor/models/interns1_vit.py:28 (nn.LayerNorm)",
     ),
     Patch(
+        name="online-int8-moe-method",
+        target=(
+            "vllm.model_executor.layers.quantization.online.base."
+            "_ONLINE_MOE_METHODS[kInt8StaticChannelSym]"
+        ),
+        why=(
+            "--quantization int8_per_channel_weight_only builds vLLM's "
+            "OnlineQuantizationConfig (by an identity check on that class, so a "
+            "registered config cannot stand in), whose MoE method "
+            "Int8OnlineMoEMethod asks the int8 MoE oracle for a kernel, which "
+            "offers Triton and CPU only. The table entry names "
+            "SUPAInt8OnlineMoEMethod instead: vLLM's loading and quantization, "
+            "the plugin's fused MoE (vllm_br/quantization/online_moe.py). Set "
+            "when the SUPA platform registers its quantization kernels."
+        ),
+        remove_when=(
+            "vLLM's int8 MoE oracle (or the online method table) takes kernels "
+            "for out-of-tree platforms."
+        ),
+        scope="every process that registers the SUPA quantization kernels",
+        upstream=(
+            "vllm/model_executor/layers/quantization/online/base.py:104 "
+            "(_ONLINE_MOE_METHODS); vllm/model_executor/model_loader/"
+            "weight_utils.py:324 (quant_cls is OnlineQuantizationConfig); "
+            "vllm/model_executor/layers/fused_moe/oracle/int8.py:102"
+        ),
+    ),
+    Patch(
         name="pil-decompression-bomb-limit",
         target="PIL.Image.MAX_IMAGE_PIXELS (set to None)",
         why=(

@@ -1,4 +1,5 @@
-"""vLLM's online int8 MoE (``--quantization experts_int8``) on SUPA.
+"""vLLM's online int8 MoE (``--quantization experts_int8``, and the same
+computation as ``--quantization int8_per_channel_weight_only``) on SUPA.
 
 With ``experts_int8`` vLLM loads a bf16 / fp16 checkpoint and quantizes each
 MoE layer's experts to int8 per output channel while loading
@@ -25,6 +26,7 @@ from vllm.model_executor.layers.quantization.online.moe_base import (
     OnlineMoEMethodBase,
 )
 
+from vllm_br.compat import online_moe_methods
 from vllm_br.ops.moe_layer import check_supported
 from vllm_br.quantization import scheme
 from vllm_br.quantization.moe import SUPAInt8MoEComputeMixin
@@ -64,5 +66,18 @@ class SUPAExpertsInt8Config(ExpertsInt8Config):
         return super().get_quant_method(layer, prefix)
 
 
+def serve_online_int8_shorthand() -> None:
+    """``--quantization int8_per_channel_weight_only`` resolves through vLLM's
+    online table to ``Int8OnlineMoEMethod``, whose kernel choice has no
+    out-of-tree entry; on SUPA the table names :class:`SUPAInt8OnlineMoEMethod`
+    (patch ledger: online-int8-moe-method)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kInt8StaticChannelSym,
+    )
+
+    online_moe_methods()[kInt8StaticChannelSym] = SUPAInt8OnlineMoEMethod
+
+
 def register() -> None:
     register_quantization_config("experts_int8")(SUPAExpertsInt8Config)
+    serve_online_int8_shorthand()

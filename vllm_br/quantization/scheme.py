@@ -16,8 +16,8 @@ W8A8-INT8 (dynamic per-token or static per-tensor activations; experts:
 per-channel weights, per-token activations), W8A16 and W4A16 (per channel
 or grouped, symmetric or with zero points), GPTQ int8 / int4 (vLLM's
 ``auto_gptq`` path, symmetric), and vLLM's
-online ``experts_int8`` (a bf16 / fp16 MoE checkpoint whose experts are
-quantized to int8 while loading). The
+online ``experts_int8`` / ``int8_per_channel_weight_only`` (a bf16 / fp16
+MoE checkpoint whose experts are quantized to int8 while loading). The
 checkpoint's scheme is read from its ``quantization_config`` at start-up, so
 an unsupported one stops with one sentence before any weight is loaded.
 """
@@ -31,16 +31,23 @@ from vllm_br.errors import SUPAConfigError
 
 #: vLLM quantization method names this platform serves (``--quantization``
 #: or the checkpoint's ``quant_method`` after vLLM's override detection).
-SUPPORTED_METHODS = ("compressed-tensors", "auto_gptq", "gptq", "experts_int8")
+SUPPORTED_METHODS = (
+    "compressed-tensors",
+    "auto_gptq",
+    "gptq",
+    "experts_int8",
+    "int8_per_channel_weight_only",
+)
 
 SERVED = (
     "compressed-tensors W8A8-INT8, W8A16 or W4A16 checkpoints, "
     "GPTQ int8 or int4 checkpoints, the unquantized model, or it with "
-    "--quantization experts_int8"
+    "--quantization experts_int8 (or int8_per_channel_weight_only)"
 )
-#: vLLM's online int8 MoE method: a bf16 / fp16 checkpoint whose experts
-#: are quantized while loading (vllm_br.quantization.online_moe).
-ONLINE_MOE_METHOD = "experts_int8"
+#: vLLM's online int8 MoE methods (one computation under two names): a
+#: bf16 / fp16 checkpoint whose experts are quantized while loading
+#: (vllm_br.quantization.online_moe).
+ONLINE_MOE_METHODS = ("experts_int8", "int8_per_channel_weight_only")
 
 
 def unsupported_method_error(method: str) -> SUPAConfigError:
@@ -77,8 +84,8 @@ def checkpoint_weight_bits(
     if method not in SUPPORTED_METHODS:
         raise unsupported_method_error(method)
     quant_cfg = quant_cfg or {}
-    if method == ONLINE_MOE_METHOD:
-        return "experts_int8 (MoE experts quantized to int8 while loading)", 8
+    if method in ONLINE_MOE_METHODS:
+        return f"{method} (MoE experts quantized to int8 while loading)", 8
     if method in ("auto_gptq", "gptq"):
         bits = int(quant_cfg.get("bits", 0))
         scheme = f"GPTQ int{bits}"
